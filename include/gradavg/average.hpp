@@ -1,0 +1,182 @@
+// gradavg: averaging gradients over towers (data-parallel replicas).
+//
+// tower_grads is a random-access range over towers; tower k is a random-access range of
+// (gradient, variable) entries, one per variable, in the same variable order on every tower
+// (std::vector<std::vector<std::pair<G, V>>>, spans of spans, ...). See entry.hpp for what an
+// entry and a gradient slot may be, and tensor.hpp for the tensor customisation point.
+//
+// For each variable i:
+//   mean[i]   = (sum over towers k of g_k[i]) / T              element-wise, summed in tower order
+//   square[i] = (sum over towers k of g_k[i] * g_k[i]) / T      mean of squares (not square of mean)
+// A gradient absent on every tower skips the variable (reported, nothing written); absent on some
+// towers only is an error. Everything is validated before anything is written: after an
+// exception, the caller's outputs are unchanged.
+#pragma once
+
+#include <cstddef>
+#include <ranges>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "detail/kernel.hpp"
+#include "detail/validate.hpp"
+#include "entry.hpp"
+#include "errors.hpp"
+#include "options.hpp"
+#include "tensor.hpp"
+
+namespace gradavg {
+
+/// A range of towers, each a range of (gradient, variable) entries that gradavg can read.
+template <class TG>
+concept tower_gradients =
+    std::ranges::random_access_range<const TG> && std::ranges::sized_range<const TG> &&
+    std::ranges::random_access_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
+    std::ranges::sized_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
+    detail::slot<detail::gradient_slot_t<TG>> && tensor<detail::gradient_tensor_t<TG>>;
+
+/// A variable whose gradient was absent on every tower.
+template <class Variable>
+struct skipped_variable {
+  std::size_t index;  ///< position in the towers' variable order
+  Variable variable;  ///< tower 0's variable
+};
+
+/// What average_gradients returns: the seed's (average_grads, average_grads_square), plus the
+/// variables it skipped, which the seed only printed.
+template <class Tensor, class Variable>
+struct averaged_gradients {
+  /// (mean gradient, tower 0's variable) for every averaged variable, in variable order.
+  std::vector<std::pair<Tensor, Variable>> gradients;
+  /// (mean of squared gradients, variable), same order; empty unless options.include_square.
+  std::vector<std::pair<Tensor, Variable>> squares;
+  /// Variables left out because their gradient was absent on every tower.
+  std::vector<skipped_variable<Variable>> skipped;
+};
+
+/// What average_gradients_into reports.
+struct summary {
+  std::size_t averaged = 0;  ///< variables written
+  std::size_t skipped = 0;   ///< variables absent on every tower, outputs left untouched
+};
+
+namespace detail {
+
+struct deduce_tensor {};
+
+/// Runs the kernel over every averaged variable; mean_ptr(i) / square_ptr(i) give the outputs.
+template <class TG, class MeanPtr, class SquarePtr>
+void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr, const SquarePtr& square_ptr) {
+  using G = gradient_tensor_t<TG>;
+  using S = tensor_value_t<G>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    if (is_skipped(tg, i)) continue;
+    const std::size_t n = tensor_traits<G>::shape(gradient_at(tg, 0, i)).size();
+    auto tower_data = [&tg, i](std::size_t k) -> const S* { return tensor_traits<G>::data(gradient_at(tg, k, i)); };
+    reduce_range<S>(tower_data, tower_count, 0, n, mean_ptr(i), square_ptr(i));
+  }
+}
+
+template <class TG, class Means, class Squares>
+summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
+  using S = tensor_value_t<gradient_tensor_t<TG>>;
+  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float or double");
+  static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Means&>>, accumulator_t<S>>,
+                "gradavg: the means outputs must hold the gradients' element type");
+  const std::size_t variable_count = validate_towers(tg);
+  validate_outputs(tg, means, variable_count, "means");
+  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
+    if (opts.include_square)
+      throw output_error(
+          "gradavg: options.include_square is set but no squares outputs were passed to average_gradients_into");
+  } else {
+    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, accumulator_t<S>>,
+                  "gradavg: the squares outputs must hold the gradients' element type");
+    validate_outputs(tg, *squares, variable_count, "squares");
+  }
+  validate_aliasing(tg, means, squares, variable_count, opts.aliasing);
+
+  summary result;
+  for (std::size_t i = 0; i < variable_count; ++i) ++(is_skipped(tg, i) ? result.skipped : result.averaged);
+  auto mean_ptr = [&means](std::size_t i) { return output_data(at(means, i)); };
+  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
+    average_all(tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); });
+  } else {
+    average_all(tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); });
+  }
+  return result;
+}
+
+}  // namespace detail
+
+/// Averages into outputs the caller owns: means[i] receives variable i's mean gradient.
+/// means is a random-access range with one output per variable: a writable tensor, a
+/// reference_wrapper to one, or a pointer-like to one (null allowed only where the variable is
+/// skipped). Outputs of skipped variables are left untouched; a variable is skipped exactly when
+/// its gradient is absent on tower 0 (and so, validly, on every tower).
+///
+/// Aliasing: means[i] may be tower 0's gradient i itself (same data, same shape): averaging in
+/// place. No other overlap between an output and any gradient or other output is allowed;
+/// options.aliasing says how much of that is checked (aliasing_error).
+///
+/// Allocates nothing on success. Throws a gradavg::error before writing anything.
+template <tower_gradients TG, class Means>
+  requires detail::output_range<Means&>
+summary average_gradients_into(const TG& tower_grads, Means&& means, const options& opts = {}) {
+  return detail::average_into_impl(tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
+}
+
+/// As above, and squares[i] receives the mean over towers of variable i's squared gradient.
+/// squares[i] may overlap nothing (not even tower 0's gradient).
+template <tower_gradients TG, class Means, class Squares>
+  requires detail::output_range<Means&> && detail::output_range<Squares&>
+summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& squares, const options& opts = {}) {
+  return detail::average_into_impl(tower_grads, means, &squares, opts);
+}
+
+/// The seed's _average_gradients: returns, for each variable, its mean gradient over the towers
+/// paired with tower 0's variable, the means of squares when options.include_square, and the
+/// skipped variables. Tensor, when given, must be the gradients' tensor type (it documents the
+/// call; it is otherwise deduced). Results have tensor_traits<Tensor>::result_type.
+template <class Tensor = detail::deduce_tensor, tower_gradients TG>
+auto average_gradients(const TG& tower_grads, const options& opts = {}) {
+  using G = detail::gradient_tensor_t<TG>;
+  static_assert(std::is_same_v<Tensor, detail::deduce_tensor> || std::is_same_v<Tensor, G>,
+                "gradavg: average_gradients<Tensor>: Tensor must be the gradients' tensor type");
+  static_assert(resultable_tensor<G>,
+                "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
+                "use average_gradients_into with outputs you own");
+  using R = typename tensor_traits<G>::result_type;
+  using V = detail::variable_t<TG>;
+  using S = tensor_value_t<G>;
+  static_assert(detail::supported_scalar<S>, "gradavg: gradient elements must be float or double");
+
+  const std::size_t variable_count = detail::validate_towers(tower_grads);
+  averaged_gradients<R, V> result;
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    const V& v = detail::variable_at(tower_grads, 0, i);
+    if (detail::is_skipped(tower_grads, i)) {
+      result.skipped.push_back({i, v});
+      continue;
+    }
+    const shape s = tensor_traits<G>::shape(detail::gradient_at(tower_grads, 0, i));
+    result.gradients.emplace_back(tensor_traits<G>::make(s), v);
+    if (opts.include_square) result.squares.emplace_back(tensor_traits<G>::make(s), v);
+  }
+
+  std::size_t next = 0;  // result.gradients follows the averaged variables in order
+  std::vector<std::size_t> slot_of(variable_count, 0);
+  for (std::size_t i = 0; i < variable_count; ++i)
+    if (!detail::is_skipped(tower_grads, i)) slot_of[i] = next++;
+  detail::average_all(
+      tower_grads, variable_count,
+      [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
+      [&](std::size_t i) -> S* {
+        return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
+      });
+  return result;
+}
+
+}  // namespace gradavg

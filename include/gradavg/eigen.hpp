@@ -1,0 +1,56 @@
+// gradavg: Eigen dense types as tensors — Matrix and Array (fixed and dynamic size), Map
+// (aligned or not), Ref, and direct-access blocks, of float or double.
+//
+// Shape: [rows, cols] with the type's storage order, so a 6-vector and a 2x3 matrix differ.
+// Strides: a tensor with an inner stride other than 1, or an outer stride other than its inner
+// size, is rejected with shape_error (inputs) or output_error (outputs) rather than copied:
+// pass a contiguous tensor. Results of the allocating API have type T::PlainObject.
+#pragma once
+
+#include <Eigen/Core>
+
+#include <type_traits>
+
+#include "tensor.hpp"
+
+namespace gradavg {
+namespace detail {
+
+/// An Eigen dense expression whose elements sit in memory (Matrix, Array, Map, Ref, Block).
+template <class T>
+concept eigen_direct_access = std::is_base_of_v<Eigen::DenseBase<T>, T> &&
+                              (Eigen::internal::traits<T>::Flags & Eigen::DirectAccessBit) != 0;
+
+}  // namespace detail
+
+template <detail::eigen_direct_access T>
+struct tensor_traits<T> {
+  using value_type = std::remove_const_t<typename T::Scalar>;
+  using result_type = typename T::PlainObject;
+
+  static const value_type* data(const T& t) noexcept { return t.data(); }
+  static value_type* mutable_data(T& t) noexcept
+    requires std::is_same_v<decltype(std::declval<T&>().data()), value_type*>
+  {
+    return t.data();
+  }
+  static gradavg::shape shape(const T& t) noexcept {
+    gradavg::shape s;
+    s.rank = 2;
+    s.dims[0] = static_cast<std::int64_t>(t.rows());
+    s.dims[1] = static_cast<std::int64_t>(t.cols());
+    s.order = T::IsRowMajor ? storage_order::row_major : storage_order::col_major;
+    return s;
+  }
+  static bool contiguous(const T& t) noexcept {
+    return t.size() <= 1 || ((t.innerSize() <= 1 || t.innerStride() == 1) &&
+                             (t.outerSize() <= 1 || t.outerStride() == t.innerSize()));
+  }
+  static result_type make(const gradavg::shape& s) {
+    result_type r;
+    r.resize(static_cast<Eigen::Index>(s.dims[0]), static_cast<Eigen::Index>(s.dims[1]));
+    return r;
+  }
+};
+
+}  // namespace gradavg

@@ -1,0 +1,58 @@
+// gradavg: the exceptions the library throws. All derive from gradavg::error, so one catch
+// clause handles every validation failure. Every one is thrown before anything is written:
+// after an error the caller's outputs are unchanged (strong guarantee).
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+namespace gradavg {
+
+/// Base of every gradavg exception. variable_index() is the position of the variable at fault
+/// in the towers' variable order, or npos when the error is not about one variable.
+class error : public std::invalid_argument {
+ public:
+  static constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
+
+  explicit error(const std::string& what, std::size_t variable_index = npos)
+      : std::invalid_argument(what), variable_index_(variable_index) {}
+
+  [[nodiscard]] std::size_t variable_index() const noexcept { return variable_index_; }
+
+ private:
+  std::size_t variable_index_;
+};
+
+/// Zero towers, or towers holding different numbers of variables.
+class tower_error : public error {
+  using error::error;
+};
+
+/// A variable's gradient has different shapes on different towers, or is not contiguous.
+class shape_error : public error {
+  using error::error;
+};
+
+/// A variable's gradient is absent on some towers but present on others.
+class missing_gradient_error : public error {
+  using error::error;
+};
+
+/// The variable at one position differs between towers.
+class variable_mismatch_error : public error {
+  using error::error;
+};
+
+/// An output is missing, of the wrong count or shape, not contiguous, or not requested consistently.
+class output_error : public error {
+  using error::error;
+};
+
+/// An output overlaps a gradient or another output in a way the library does not allow.
+class aliasing_error : public error {
+  using error::error;
+};
+
+}  // namespace gradavg

@@ -1,0 +1,12 @@
+// gradavg: averages gradients across towers (data-parallel replicas) for training code.
+// The umbrella header: the whole public API is in the headers it includes.
+#pragma once
+
+#include "version.hpp"   // GRADAVG_VERSION_*
+#include "errors.hpp"    // gradavg::error and its subclasses
+#include "options.hpp"   // gradavg::options
+#include "tensor.hpp"    // tensor_traits, shape; std::vector / std::span / std::array support
+#include "entry.hpp"     // (gradient, variable) entries, absent gradients, variable_traits
+#include "average.hpp"   // average_gradients, average_gradients_into
+#include "eigen.hpp"     // Eigen Matrix, Array, Map, Ref
+#include "eigen_tensor.hpp"  // Eigen::Tensor, Eigen::TensorMap

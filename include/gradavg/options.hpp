@@ -1,0 +1,29 @@
+// gradavg: the options every averaging call takes. A plain aggregate: new members get defaults
+// that keep earlier behaviour, so code written against an older version keeps compiling.
+#pragma once
+
+#include <cstdint>
+
+namespace gradavg {
+
+/// How thoroughly average_gradients_into checks outputs for overlap with inputs and each other.
+enum class alias_check : std::uint8_t {
+  /// Each variable's outputs against that variable's gradients and its other output: O(V*T).
+  same_variable,
+  /// Every output against every gradient and every other output: O(V^2*T). For debugging.
+  all,
+  /// No check: the caller guarantees the aliasing rules of average_gradients_into.
+  none,
+};
+
+struct options {
+  /// Allocating API: also return the mean over towers of the squared gradients.
+  /// average_gradients_into computes them exactly when a squares range is passed; setting this
+  /// without passing one is an error there, so a request is never silently dropped.
+  bool include_square = false;
+
+  /// Overlap checks in average_gradients_into (outputs of the allocating API never overlap).
+  alias_check aliasing = alias_check::same_variable;
+};
+
+}  // namespace gradavg
