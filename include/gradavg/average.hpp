@@ -20,9 +20,11 @@
 #include <vector>
 
 #include "detail/kernel.hpp"
+#include "detail/parallel.hpp"
 #include "detail/validate.hpp"
 #include "entry.hpp"
 #include "errors.hpp"
+#include "executor.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 
@@ -66,17 +68,42 @@ namespace detail {
 struct deduce_tensor {};
 
 /// Runs the kernel over every averaged variable; mean_ptr(i) / square_ptr(i) give the outputs.
+/// All variables' elements form one flat range, split into contiguous chunks (one per thread):
+/// each chunk walks the variables it covers, so small variables share a fork/join.
 template <class TG, class MeanPtr, class SquarePtr>
-void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr, const SquarePtr& square_ptr) {
+void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
+                 const options& opts) {
   using G = gradient_tensor_t<TG>;
   using S = tensor_value_t<G>;
   const std::size_t tower_count = std::ranges::size(tg);
-  for (std::size_t i = 0; i < variable_count; ++i) {
-    if (is_skipped(tg, i)) continue;
-    const std::size_t n = tensor_traits<G>::shape(gradient_at(tg, 0, i)).size();
-    auto tower_data = [&tg, i](std::size_t k) -> const S* { return tensor_traits<G>::data(gradient_at(tg, k, i)); };
-    reduce_range<S>(tower_data, tower_count, 0, n, mean_ptr(i), square_ptr(i));
-  }
+  auto size_of = [&tg](std::size_t i) { return tensor_traits<G>::shape(gradient_at(tg, 0, i)).size(); };
+
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < variable_count; ++i)
+    if (!is_skipped(tg, i)) total += size_of(i);
+  const std::size_t chunks = chunk_count(total, opts);
+  constexpr std::size_t granularity = split_granularity<S>();
+
+  // Elements [first, last) of the flat range.
+  auto run = [&](std::size_t first, std::size_t last) {
+    std::size_t offset = 0;  // flat index of variable i's first element
+    for (std::size_t i = 0; i < variable_count && offset < last; ++i) {
+      if (is_skipped(tg, i)) continue;
+      const std::size_t n = size_of(i);
+      if (offset + n > first) {
+        const std::size_t begin = first > offset ? first - offset : 0;
+        const std::size_t end = std::min(n, last - offset);
+        auto tower_data = [&tg, i](std::size_t k) -> const S* { return tensor_traits<G>::data(gradient_at(tg, k, i)); };
+        reduce_range<S>(tower_data, tower_count, begin, end, mean_ptr(i), square_ptr(i));
+      }
+      offset += n;
+    }
+  };
+  auto chunk = [&](std::size_t c) {
+    auto bound = [&](std::size_t b) { return b == chunks ? total : total / chunks * b / granularity * granularity; };
+    run(bound(c), bound(c + 1));
+  };
+  run_chunks(chunks, chunk, opts);
 }
 
 template <class TG, class Means, class Squares>
@@ -102,9 +129,11 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
   for (std::size_t i = 0; i < variable_count; ++i) ++(is_skipped(tg, i) ? result.skipped : result.averaged);
   auto mean_ptr = [&means](std::size_t i) { return output_data(at(means, i)); };
   if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
-    average_all(tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); });
+    average_all(
+        tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); }, opts);
   } else {
-    average_all(tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); });
+    average_all(
+        tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); }, opts);
   }
   return result;
 }
@@ -175,7 +204,8 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
       [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
       [&](std::size_t i) -> S* {
         return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
-      });
+      },
+      opts);
   return result;
 }
 

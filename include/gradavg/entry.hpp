@@ -51,12 +51,17 @@ struct entry_traits {
 namespace detail {
 
 template <class T>
-constexpr T& unwrap_ref(T& x) noexcept {
-  return x;
-}
+struct is_reference_wrapper : std::false_type {};
 template <class T>
-constexpr T& unwrap_ref(const std::reference_wrapper<T>& x) noexcept {
-  return x.get();
+struct is_reference_wrapper<std::reference_wrapper<T>> : std::true_type {};
+
+/// x itself, or the object x refers to when x is a std::reference_wrapper.
+template <class T>
+constexpr decltype(auto) unwrap_ref(T& x) noexcept {
+  if constexpr (is_reference_wrapper<std::remove_cv_t<T>>::value)
+    return x.get();
+  else
+    return (x);
 }
 
 /// The object a slot refers to once reference_wrappers are seen through.

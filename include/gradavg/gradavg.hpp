@@ -5,6 +5,7 @@
 #include "version.hpp"   // GRADAVG_VERSION_*
 #include "errors.hpp"    // gradavg::error and its subclasses
 #include "options.hpp"   // gradavg::options
+#include "executor.hpp"  // threads: executor, thread_pool
 #include "tensor.hpp"    // tensor_traits, shape; std::vector / std::span / std::array support
 #include "entry.hpp"     // (gradient, variable) entries, absent gradients, variable_traits
 #include "average.hpp"   // average_gradients, average_gradients_into

@@ -2,9 +2,12 @@
 // that keep earlier behaviour, so code written against an older version keeps compiling.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace gradavg {
+
+class executor;
 
 /// How thoroughly average_gradients_into checks outputs for overlap with inputs and each other.
 enum class alias_check : std::uint8_t {
@@ -24,6 +27,15 @@ struct options {
 
   /// Overlap checks in average_gradients_into (outputs of the allocating API never overlap).
   alias_check aliasing = alias_check::same_variable;
+
+  /// Threads one call may use: 1 (default) runs on the calling thread only — training code often
+  /// calls this while its other cores are busy, so using them is the caller's decision. 0 means
+  /// pool->concurrency() with a pool, else std::thread::hardware_concurrency(). See executor.hpp.
+  std::size_t threads = 1;
+
+  /// Where threaded work runs; not owned. Null: OpenMP when compiled with it, else threads
+  /// started for the call.
+  executor* pool = nullptr;
 };
 
 }  // namespace gradavg

@@ -267,16 +267,17 @@ void validate_aliasing(const TG& tg, Means& means, Squares* squares, std::size_t
       const std::size_t last = mode == alias_check::all ? variable_count : i + 1;
       for (std::size_t j = first; j < last; ++j) {
         if (is_skipped(tg, j)) continue;
-        const std::string other_var = j == i ? "its own" : describe_variable(j, variable_at(tg, 0, j)) + "'s";
+        const std::string of_other = j == i ? std::string() : " of " + describe_variable(j, variable_at(tg, 0, j));
         for (std::size_t k = 0; k < tower_count; ++k) {
           const byte_range g = bytes_of(gradient_at(tg, k, j));
           const bool in_place = sq == 0 && j == i && k == 0 && out == g;
-          if (!in_place && out.overlaps(g)) fail(i, sq == 1, other_var + " gradient on tower " + std::to_string(k));
+          if (!in_place && out.overlaps(g))
+            fail(i, sq == 1, (j == i ? "its gradient on tower " : "the gradient on tower ") + std::to_string(k) + of_other);
         }
         for (int osq = 0; osq <= (has_squares ? 1 : 0); ++osq) {
           if (j == i && osq == sq) continue;
           if (out.overlaps(output_bytes(j, osq == 1)))
-            fail(i, sq == 1, (j == i ? std::string("its own") : other_var) + (osq ? " squares" : " means") + " output");
+            fail(i, sq == 1, std::string(j == i ? "its " : "the ") + (osq ? "squares" : "means") + " output" + of_other);
         }
       }
     }

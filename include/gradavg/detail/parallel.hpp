@@ -1,0 +1,71 @@
+// gradavg internals: running chunks of work on the executor that options choose.
+#pragma once
+
+#include <cstddef>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "../executor.hpp"
+#include "../options.hpp"
+
+namespace gradavg::detail {
+
+/// Fewest elements worth a chunk of their own: below this, starting work costs more than it saves.
+inline constexpr std::size_t min_chunk_elements = std::size_t{1} << 15;
+
+/// How many chunks a call over total elements splits into.
+inline std::size_t chunk_count(std::size_t total, const options& opts) noexcept {
+  std::size_t threads = opts.threads;
+  if (threads == 0)
+    threads = opts.pool != nullptr ? opts.pool->concurrency() : std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t worth = std::max<std::size_t>(1, total / min_chunk_elements);
+  return std::max<std::size_t>(1, std::min(threads, worth));
+}
+
+// The body differs with OpenMP; the inline namespace keeps translation units built with and
+// without it from sharing one (differing) definition.
+#if defined(_OPENMP)
+inline namespace with_openmp {
+#else
+inline namespace without_openmp {
+#endif
+
+/// Calls chunk(c) once for each c in [0, chunks), concurrently where options allow, and returns
+/// when all have returned. Never throws once a chunk has started: if threads cannot be started,
+/// the caller runs their chunks itself.
+template <class Chunk>
+void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
+  if (chunks <= 1) {
+    if (chunks == 1) chunk(0);
+    return;
+  }
+  if (opts.pool != nullptr) {
+    opts.pool->parallel_for(chunks, task_ref(chunk));
+    return;
+  }
+#if defined(_OPENMP)
+  const auto n = static_cast<long long>(chunks);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(chunks))
+  for (long long c = 0; c < n; ++c) chunk(static_cast<std::size_t>(c));
+#else
+  std::vector<std::jthread> started;
+  std::size_t first_unstarted = chunks;
+  try {
+    started.reserve(chunks - 1);
+    for (std::size_t c = 1; c < chunks; ++c) {
+      started.emplace_back([&chunk, c] { chunk(c); });
+    }
+  } catch (const std::system_error&) {
+    first_unstarted = started.size() + 1;
+  } catch (const std::bad_alloc&) {
+    first_unstarted = started.size() + 1;
+  }
+  chunk(0);
+  for (std::size_t c = first_unstarted; c < chunks; ++c) chunk(c);
+  // started threads join here
+#endif
+}
+
+}  // namespace with_openmp / without_openmp
+}  // namespace gradavg::detail
