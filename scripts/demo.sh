@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main demo, on a fresh Debian 12 machine: installs what is missing, builds the examples
+# (Release), then runs the README's program and a data-parallel training job on synthetic data
+# it generates. Extra arguments go to the training job (e.g. --towers 8 --steps 400).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${GRADAVG_BUILD_ROOT:-build}/demo"
+
+bash scripts/install-deps.sh
+cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGRADAVG_BUILD_TESTS=OFF -DGRADAVG_BUILD_BENCH=OFF \
+  -DGRADAVG_BUILD_EXAMPLES=ON > /dev/null
+cmake --build "$build" -j "$(nproc)"
+
+echo "== examples/readme_main.cpp"
+"$build/examples/readme_main"
+echo
+echo "== examples/train_data_parallel.cpp"
+"$build/examples/train_data_parallel" "$@"
