@@ -94,7 +94,7 @@ void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_p
         const std::size_t begin = first > offset ? first - offset : 0;
         const std::size_t end = std::min(n, last - offset);
         auto tower_data = [&tg, i](std::size_t k) -> const S* { return tensor_traits<G>::data(gradient_at(tg, k, i)); };
-        reduce_range<S>(tower_data, tower_count, begin, end, mean_ptr(i), square_ptr(i));
+        reduce_range<S>(tower_data, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores);
       }
       offset += n;
     }

@@ -33,6 +33,11 @@ struct options {
   /// pool->concurrency() with a pool, else std::thread::hardware_concurrency(). See executor.hpp.
   std::size_t threads = 1;
 
+  /// Write outputs with non-temporal (streaming) stores where the target has them: they bypass
+  /// the caches, which pays when the outputs are larger than the last-level cache and are not
+  /// read again at once. Results are identical either way.
+  bool streaming_stores = false;
+
   /// Where threaded work runs; not owned. Null: OpenMP when compiled with it, else threads
   /// started for the call.
   executor* pool = nullptr;

@@ -66,7 +66,7 @@ std::string describe_variable(std::size_t i, const V& v) {
   std::ostringstream printed;
   variable_traits<V>::print(printed, v);
   std::string s = "variable #" + std::to_string(i);
-  if (!printed.str().empty()) s += " '" + printed.str() + "'";
+  if (!printed.str().empty()) s.append(" '").append(printed.str()).append("'");
   return s;
 }
 
@@ -74,7 +74,8 @@ template <class V>
 std::string describe_value(const V& v) {
   std::ostringstream printed;
   variable_traits<V>::print(printed, v);
-  return printed.str().empty() ? std::string("(unprintable)") : "'" + printed.str() + "'";
+  if (printed.str().empty()) return "(unprintable)";
+  return std::string("'").append(printed.str()).append("'");
 }
 
 inline std::string describe_shape(const shape& s) {

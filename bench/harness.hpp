@@ -1,0 +1,101 @@
+// The timing harness shared by the benchmark binaries. Setup (data, allocation, the one
+// verifying call) happens once per benchmark, outside the timed loop: Google Benchmark calls a
+// benchmark function several times while it picks an iteration count, so the prepared state is
+// kept in a one-slot cache keyed by the benchmark's name.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <exception>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.hpp"
+
+namespace gradavg_bench {
+
+/// A runner around any callable.
+template <class F>
+class fn_runner final : public runner {
+ public:
+  explicit fn_runner(F f) : f_(std::move(f)) {}
+  void run() override { f_(); }
+
+ private:
+  F f_;
+};
+
+template <class F>
+std::unique_ptr<runner> make_fn_runner(F f) {
+  return std::make_unique<fn_runner<F>>(std::move(f));
+}
+
+/// Everything a benchmark's timed loop needs, built (and verified) once.
+struct prepared {
+  std::string error;                        ///< non-empty: skip the benchmark with this message
+  std::vector<std::shared_ptr<void>> keep;  ///< storage the kernel points into; outlives it
+  std::unique_ptr<runner> kernel;           ///< the timed call
+  const void* sink = nullptr;               ///< an output, handed to DoNotOptimize
+
+  /// Allocates an object that lives as long as this prepared state, and returns it.
+  template <class T, class... Args>
+  T& hold(Args&&... args) {
+    auto p = std::make_shared<T>(std::forward<Args>(args)...);
+    T& ref = *p;
+    keep.push_back(std::move(p));
+    return ref;
+  }
+};
+
+/// Returns the prepared state for `key`, building it with `build` if the slot holds another.
+/// The previous occupant is destroyed first, so at most one benchmark's buffers are alive.
+/// An exception from `build` becomes the state's error.
+inline prepared& prepare(const std::string& key, const std::function<void(prepared&)>& build) {
+  static std::string slot_key;
+  static std::unique_ptr<prepared> slot;
+  if (slot_key != key || !slot) {
+    slot.reset();
+    slot_key = key;
+    slot = std::make_unique<prepared>();
+    try {
+      build(*slot);
+      if (slot->error.empty() && !slot->kernel) slot->error = "no kernel built";
+    } catch (const std::exception& e) {
+      slot->error = e.what();
+    }
+  }
+  return *slot;
+}
+
+/// Runs the timed loop of a prepared benchmark and credits `bytes` per iteration as the
+/// bytes_per_second counter.
+inline void time_loop(benchmark::State& state, prepared& p, double bytes) {
+  if (!p.error.empty()) {
+    state.SkipWithError(p.error.c_str());
+    return;
+  }
+  for (auto _ : state) {
+    p.kernel->run();
+    benchmark::DoNotOptimize(p.sink);
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_per_second"] =
+      benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// Registers a benchmark whose state `build` prepares; every iteration credits `bytes`.
+/// Wall-clock time, so that threaded peers are measured fairly once they are added.
+inline benchmark::internal::Benchmark* register_prepared(const std::string& name, double bytes,
+                                                         std::function<void(prepared&)> build) {
+  return benchmark::RegisterBenchmark(name.c_str(),
+                                      [name, bytes, build](benchmark::State& state) {
+                                        time_loop(state, prepare(name, build), bytes);
+                                      })
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+}  // namespace gradavg_bench
