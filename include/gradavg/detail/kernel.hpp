@@ -122,7 +122,7 @@ struct group_pass {
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
-  Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs
+  Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs; any alignment
   Acc* sq;
   Acc* mean;  // outputs (ToOut), offset like towers
   Acc* square;
@@ -135,8 +135,8 @@ struct group_pass {
     std::size_t k = 0;
     if constexpr (FromAcc) {
       for (std::size_t u = 0; u < U; ++u) {
-        a[u] = ei::pload<P>(acc + j + u * W);
-        if constexpr (WithSquare) s[u] = ei::pload<P>(sq + j + u * W);
+        a[u] = ei::ploadu<P>(acc + j + u * W);
+        if constexpr (WithSquare) s[u] = ei::ploadu<P>(sq + j + u * W);
       }
     } else {
       for (std::size_t u = 0; u < U; ++u) {
@@ -159,8 +159,8 @@ struct group_pass {
         store_packet<Stream>(mean + j + u * W, ei::pdiv(a[u], d));
         if constexpr (WithSquare) store_packet<Stream>(square + j + u * W, ei::pdiv(s[u], d));
       } else {
-        ei::pstore(acc + j + u * W, a[u]);
-        if constexpr (WithSquare) ei::pstore(sq + j + u * W, s[u]);
+        ei::pstoreu(acc + j + u * W, a[u]);
+        if constexpr (WithSquare) ei::pstoreu(sq + j + u * W, s[u]);
       }
     }
   }
