@@ -35,12 +35,8 @@ struct tensor_traits<T> {
     return t.data();
   }
   static gradavg::shape shape(const T& t) noexcept {
-    gradavg::shape s;
-    s.rank = 2;
-    s.dims[0] = static_cast<std::int64_t>(t.rows());
-    s.dims[1] = static_cast<std::int64_t>(t.cols());
-    s.order = T::IsRowMajor ? storage_order::row_major : storage_order::col_major;
-    return s;
+    return gradavg::shape::matrix(static_cast<std::int64_t>(t.rows()), static_cast<std::int64_t>(t.cols()),
+                                  T::IsRowMajor ? storage_order::row_major : storage_order::col_major);
   }
   static bool contiguous(const T& t) noexcept {
     return t.size() <= 1 || ((t.innerSize() <= 1 || t.innerStride() == 1) &&

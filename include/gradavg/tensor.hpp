@@ -64,6 +64,17 @@ struct shape {
     s.dims[0] = static_cast<std::int64_t>(n);
     return s;
   }
+
+  /// A rank-2 shape of rows x cols elements in the given order.
+  [[nodiscard]] static constexpr shape matrix(std::int64_t rows, std::int64_t cols,
+                                              storage_order order = storage_order::row_major) noexcept {
+    shape s;
+    s.rank = 2;
+    s.dims[0] = rows;
+    s.dims[1] = cols;
+    s.order = order;
+    return s;
+  }
 };
 
 /// Primary template: not a tensor. Specialise it (see the file comment) to plug a type in.

@@ -1,0 +1,361 @@
+// Data-parallel training with gradavg. Each tower (a thread) computes the gradient of a small
+// network on its shard of every mini-batch; when all towers are done, gradavg averages their
+// gradients in place into tower 0's buffers and the model takes one step of SGD with momentum.
+//
+// Model: one tanh hidden layer and a sigmoid output, trained with cross-entropy on a synthetic
+// two-class problem that no linear model separates: x ~ N(0, I) in 20 dimensions, class 1 when
+// x's projection on a fixed plane lies in the disc holding half the probability.
+//
+//   train_data_parallel [--towers N] [--steps S] [--quiet]
+//
+// Exits non-zero unless (1) at the first step the averaged gradient matches the gradient of the
+// whole mini-batch computed at once (with equal shards, the mean of the shard means is the batch
+// mean), and (2) the final training loss is under half the initial one.
+#include <gradavg/gradavg.hpp>
+
+#include <algorithm>
+#include <barrier>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <numbers>
+#include <optional>
+#include <random>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int features = 20;
+constexpr int hidden_units = 32;
+constexpr int train_size = 4096;
+constexpr int test_size = 1024;
+constexpr int shard_size = 64;  // samples per tower per step
+constexpr float learning_rate = 0.1f;
+constexpr float momentum = 0.9f;
+constexpr float gradient_tolerance = 1e-4f;  // relative; float sums in another order differ ~1e-7
+
+// ---- Synthetic data, generated deterministically. -------------------------------------------
+
+// mt19937_64's output is fixed by the standard, the std distributions' are not: converting by
+// hand keeps the data independent of the standard library.
+class random_source {
+ public:
+  explicit random_source(std::uint64_t seed) : engine_(seed) {}
+  double uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }  // [0, 1)
+  // Box-Muller: one standard normal from two uniforms.
+  float normal() {
+    const double radius = std::sqrt(-2.0 * std::log(1.0 - uniform()));
+    return static_cast<float>(radius * std::cos(2.0 * std::numbers::pi * uniform()));
+  }
+  Eigen::Index below(Eigen::Index n) { return static_cast<Eigen::Index>(engine_() % static_cast<std::uint64_t>(n)); }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+struct dataset {
+  Eigen::MatrixXf x;  // features x samples: one column per sample
+  Eigen::VectorXf y;  // labels, 0 or 1
+};
+
+Eigen::VectorXf normal_vector(Eigen::Index n, random_source& rng) {
+  Eigen::VectorXf v(n);
+  for (float& e : v) e = rng.normal();
+  return v;
+}
+
+dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorXf& v, random_source& rng) {
+  const float radius_squared = 2.0f * std::numbers::ln2_v<float>;  // P(chi^2 with 2 dof < r^2) = 1/2
+  dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXf(samples)};
+  for (int j = 0; j < samples; ++j) {
+    d.x.col(j) = normal_vector(features, rng);
+    const float a = u.dot(d.x.col(j)), b = v.dot(d.x.col(j));
+    d.y(j) = a * a + b * b < radius_squared ? 1.0f : 0.0f;
+  }
+  return d;
+}
+
+// A fresh random order of `from` for the next epoch (Fisher-Yates), written into `to`.
+void shuffle_into(const dataset& from, dataset& to, random_source& rng) {
+  std::vector<Eigen::Index> order(static_cast<std::size_t>(from.y.size()));
+  for (std::size_t j = 0; j < order.size(); ++j) order[j] = static_cast<Eigen::Index>(j);
+  for (auto j = static_cast<Eigen::Index>(order.size()) - 1; j > 0; --j)
+    std::swap(order[static_cast<std::size_t>(j)], order[static_cast<std::size_t>(rng.below(j + 1))]);
+  for (Eigen::Index j = 0; j < from.y.size(); ++j) {
+    to.x.col(j) = from.x.col(order[static_cast<std::size_t>(j)]);
+    to.y(j) = from.y(order[static_cast<std::size_t>(j)]);
+  }
+}
+
+// ---- The model. ------------------------------------------------------------------------------
+
+struct parameters {
+  Eigen::MatrixXf w1 = Eigen::MatrixXf::Zero(hidden_units, features);
+  Eigen::VectorXf b1 = Eigen::VectorXf::Zero(hidden_units);
+  Eigen::VectorXf w2 = Eigen::VectorXf::Zero(hidden_units);
+  Eigen::VectorXf b2 = Eigen::VectorXf::Zero(1);
+};
+
+// Calls f on each pair of corresponding members of a and b: the one place that lists them.
+template <class A, class B, class F>
+void for_each_pair(A& a, B& b, F f) {
+  f(a.w1, b.w1);
+  f(a.b1, b.b1);
+  f(a.w2, b.w2);
+  f(a.b2, b.b2);
+}
+
+// What gradavg sees of one tower: (gradient, variable name) per parameter, as views (no copy).
+// The views stay valid because the gradient buffers never change size.
+using tower_entries = std::vector<std::pair<Eigen::Ref<const Eigen::MatrixXf>, std::string_view>>;
+tower_entries entries_of(const parameters& g) { return {{g.w1, "w1"}, {g.b1, "b1"}, {g.w2, "w2"}, {g.b2, "b2"}}; }
+
+// Writable views of the same members, as average_gradients_into outputs.
+std::vector<Eigen::Ref<Eigen::MatrixXf>> outputs_of(parameters& p) { return {p.w1, p.b1, p.w2, p.b2}; }
+
+struct forward_pass {
+  Eigen::MatrixXf hidden;  // tanh activations, hidden_units x samples
+  Eigen::ArrayXf logits;   // one per sample
+};
+
+forward_pass forward(const parameters& p, const Eigen::Ref<const Eigen::MatrixXf>& x) {
+  forward_pass f;
+  f.hidden = ((p.w1 * x).colwise() + p.b1).array().tanh().matrix();
+  f.logits = (f.hidden.transpose() * p.w2).array() + p.b2(0);
+  return f;
+}
+
+// Mean cross-entropy of sigmoid(logits) against y, in a form that cannot overflow.
+float mean_loss(const Eigen::ArrayXf& logits, const Eigen::ArrayXf& y) {
+  return (logits.max(0.0f) - y * logits + (-logits.abs()).exp().log1p()).mean();
+}
+
+// The mean loss over the samples (columns) of x; its gradient is written into grad.
+float loss_and_gradient(const parameters& p, const Eigen::Ref<const Eigen::MatrixXf>& x,
+                        const Eigen::Ref<const Eigen::VectorXf>& y, parameters& grad) {
+  const forward_pass f = forward(p, x);
+  // d loss / d logit = (sigmoid(logit) - y) / samples
+  const Eigen::VectorXf d_logits =
+      ((1.0f + (-f.logits).exp()).inverse() - y.array()).matrix() / static_cast<float>(x.cols());
+  const Eigen::MatrixXf d_hidden =
+      ((p.w2 * d_logits.transpose()).array() * (1.0f - f.hidden.array().square())).matrix();
+  grad.w1.noalias() = d_hidden * x.transpose();
+  grad.b1 = d_hidden.rowwise().sum();
+  grad.w2.noalias() = f.hidden * d_logits;
+  grad.b2(0) = d_logits.sum();
+  return mean_loss(f.logits, y.array());
+}
+
+struct evaluation {
+  float loss;
+  float accuracy;
+};
+
+evaluation evaluate(const parameters& p, const dataset& d) {
+  const forward_pass f = forward(p, d.x);
+  const auto correct = ((f.logits > 0.0f) == (d.y.array() > 0.5f)).count();
+  return {mean_loss(f.logits, d.y.array()), static_cast<float>(correct) / static_cast<float>(d.y.size())};
+}
+
+// max |a - b| over every element of every parameter, relative to max |b|.
+float max_relative_difference(const parameters& a, const parameters& b) {
+  float difference = 0, scale = 0;
+  for_each_pair(a, b, [&](const auto& x, const auto& y) {
+    difference = std::max(difference, (x - y).cwiseAbs().maxCoeff());
+    scale = std::max(scale, y.cwiseAbs().maxCoeff());
+  });
+  return difference / scale;
+}
+
+// Gradient noise across towers, from gradavg's means and means of squares: the variance
+// E[g^2] - E[g]^2 of the towers' gradients, averaged over elements, and its sum relative to the
+// sum of squared means (how much of a tower's gradient is its shard's noise rather than signal).
+struct gradient_noise {
+  double variance;
+  double noise_to_signal;
+};
+
+gradient_noise measure_noise(const parameters& mean, const parameters& mean_of_squares) {
+  double variance = 0, signal = 0;
+  Eigen::Index elements = 0;
+  for_each_pair(mean, mean_of_squares, [&](const auto& m, const auto& sq) {
+    variance += (sq.array() - m.array().square()).max(0.0f).template cast<double>().sum();
+    signal += m.array().square().template cast<double>().sum();
+    elements += m.size();
+  });
+  return {variance / static_cast<double>(elements), variance / signal};
+}
+
+// ---- Command line. ---------------------------------------------------------------------------
+
+struct config {
+  int towers = 4;
+  int steps = 1500;
+  bool quiet = false;
+};
+
+std::optional<int> parse_int(std::string_view text, int low, int high) {
+  int value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < low || value > high) return std::nullopt;
+  return value;
+}
+
+std::optional<config> parse_args(int argc, char** argv) {
+  config c;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--quiet") {
+      c.quiet = true;
+      continue;
+    }
+    const bool towers = arg == "--towers";
+    if ((!towers && arg != "--steps") || i + 1 == argc) return std::nullopt;
+    const std::optional<int> value = towers ? parse_int(argv[++i], 1, train_size / shard_size)
+                                            : parse_int(argv[++i], 1, 1'000'000);
+    if (!value) return std::nullopt;
+    (towers ? c.towers : c.steps) = *value;
+  }
+  return c;
+}
+
+// ---- Training. -------------------------------------------------------------------------------
+
+int train(const config& cfg) {
+  random_source rng(20240601);
+  Eigen::VectorXf u = normal_vector(features, rng).normalized();
+  Eigen::VectorXf v = normal_vector(features, rng);
+  v = (v - v.dot(u) * u).normalized();
+  const dataset train_set = make_dataset(train_size, u, v, rng);
+  const dataset test_set = make_dataset(test_size, u, v, rng);
+
+  parameters model;
+  model.w1 = Eigen::MatrixXf::NullaryExpr(hidden_units, features, [&] { return rng.normal(); });
+  model.w1 /= std::sqrt(float{features});
+  model.w2 = normal_vector(hidden_units, rng) / std::sqrt(float{hidden_units});
+  parameters velocity;             // momentum buffer, zero
+  parameters squares;              // means of squared tower gradients, on report steps
+  parameters full_batch_gradient;  // for the first step's check
+
+  const int towers = cfg.towers;
+  const int batch_size = towers * shard_size;
+  std::vector<parameters> tower_gradient(static_cast<std::size_t>(towers));  // each tower's own buffers
+  std::vector<float> tower_loss(static_cast<std::size_t>(towers));
+  std::vector<tower_entries> tower_grads;
+  for (const parameters& g : tower_gradient) tower_grads.push_back(entries_of(g));
+  // In place: the means overwrite tower 0's gradients, which the update then reads.
+  const parameters& mean_gradient = tower_gradient[0];
+  auto means = outputs_of(tower_gradient[0]);
+  auto square_outputs = outputs_of(squares);
+
+  const evaluation initial = evaluate(model, train_set);
+  if (!cfg.quiet) {
+    std::printf("%d towers x %d samples per step, %d steps; %d features, %d hidden units, %d training samples\n",
+                towers, shard_size, cfg.steps, features, hidden_units, train_size);
+    std::printf("initial   train loss %.4f  accuracy %5.1f%%\n", initial.loss, 100 * initial.accuracy);
+  }
+
+  dataset epoch = train_set;  // the training set in this epoch's order
+  shuffle_into(train_set, epoch, rng);
+  Eigen::Index batch_start = 0;
+  int step = 0;
+  bool stop = false;
+  bool failed = false;
+  double loss_since_report = 0;
+  int steps_since_report = 0;
+  const int report_every = std::max(1, cfg.steps / 10);
+
+  // Runs once per step, on one thread, after every tower has its gradient and before any
+  // starts the next step: the towers are all waiting, so it may read their buffers and change
+  // the model. std::barrier requires it to be noexcept.
+  auto finish_step = [&]() noexcept {
+    try {
+      const bool report = step == 0 || (step + 1) % report_every == 0 || step + 1 == cfg.steps;
+      if (step == 0)
+        loss_and_gradient(model, epoch.x.middleCols(batch_start, batch_size), epoch.y.segment(batch_start, batch_size),
+                          full_batch_gradient);
+      // Report steps also pass squares outputs (this API's form of options.include_square):
+      // the means of squared tower gradients give the noise figure.
+      if (report)
+        gradavg::average_gradients_into(tower_grads, means, square_outputs);
+      else
+        gradavg::average_gradients_into(tower_grads, means);
+
+      if (step == 0) {
+        const float difference = max_relative_difference(mean_gradient, full_batch_gradient);
+        const bool ok = difference <= gradient_tolerance;
+        if (!cfg.quiet || !ok)
+          std::printf("step 1: averaged vs full-batch gradient, max relative difference %.2g (%s)\n", difference,
+                      ok ? "ok" : "FAILED");
+        failed = !ok;
+      }
+      for (float loss : tower_loss) loss_since_report += loss / static_cast<float>(towers);
+      ++steps_since_report;
+      if (report && !cfg.quiet) {
+        const gradient_noise noise = measure_noise(mean_gradient, squares);
+        std::printf("step %5d  loss %.4f  tower gradient variance %.2e  noise/signal %.2f\n", step + 1,
+                    loss_since_report / steps_since_report, noise.variance, noise.noise_to_signal);
+        loss_since_report = 0;
+        steps_since_report = 0;
+      }
+
+      for_each_pair(velocity, mean_gradient, [](auto& vel, const auto& g) { vel = momentum * vel + g; });
+      for_each_pair(model, velocity, [](auto& p, const auto& vel) { p -= learning_rate * vel; });
+
+      ++step;
+      batch_start += batch_size;
+      if (batch_start + batch_size > train_size) {
+        shuffle_into(train_set, epoch, rng);
+        batch_start = 0;
+      }
+      stop = failed || step == cfg.steps;
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "error at step %d: %s\n", step, e.what());
+      failed = stop = true;
+    }
+  };
+
+  const auto started = std::chrono::steady_clock::now();
+  std::barrier step_done(towers, finish_step);
+  {
+    std::vector<std::jthread> threads;
+    for (int k = 0; k < towers; ++k)
+      threads.emplace_back([&, k] {
+        const auto me = static_cast<std::size_t>(k);
+        while (!stop) {  // written only by finish_step, while every tower waits
+          const Eigen::Index first = batch_start + k * shard_size;
+          tower_loss[me] = loss_and_gradient(model, epoch.x.middleCols(first, shard_size),
+                                             epoch.y.segment(first, shard_size), tower_gradient[me]);
+          step_done.arrive_and_wait();
+        }
+      });
+  }  // jthreads join here
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+
+  const evaluation final_train = evaluate(model, train_set);
+  const evaluation final_test = evaluate(model, test_set);
+  const bool learned = final_train.loss < 0.5f * initial.loss;
+  std::printf("final     train loss %.4f  accuracy %5.1f%%  test loss %.4f  accuracy %5.1f%%  (%d steps, %.2f s)\n",
+              final_train.loss, 100 * final_train.accuracy, final_test.loss, 100 * final_test.accuracy, step, seconds);
+  if (!learned)
+    std::printf("FAILED: final training loss %.4f is not under half the initial %.4f\n", final_train.loss,
+                initial.loss);
+  return failed || !learned ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::optional<config> cfg = parse_args(argc, argv);
+  if (!cfg) {
+    std::fprintf(stderr, "usage: %s [--towers 1..%d] [--steps S] [--quiet]\n", argv[0], train_size / shard_size);
+    return 2;
+  }
+  return train(*cfg);
+}
