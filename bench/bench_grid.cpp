@@ -1,20 +1,23 @@
-// The grid benchmark: every peer over towers T x elements per tower P x {mean, mean_sq}, plus
-// the bandwidth limits (copy, memcpy, read-only sum) over the same P, in one binary.
+// The grid benchmark: every peer over towers T x elements per tower P x {mean, mean_sq} x
+// threads {1, all cores}, plus the bandwidth limits (copy, copy_nt, memcpy, read-only sum) over
+// the same P and thread counts, in one binary.
 //
 // Names: <family>/<type>/<impl>/T:<T>/P:<P>/threads:<n>, family in {mean, mean_sq, limit};
 // limits have no T. bench/run_grid.py parses these names.
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <typeindex>
+#include <utility>
 #include <variant>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include "common.hpp"
 #include "harness.hpp"
+#include "limits.hpp"
+#include "parallel.hpp"
 #include "peers.hpp"
 
 #ifndef GRADAVG_BENCH_NO_GRADAVG
@@ -111,42 +114,53 @@ void register_peer(const char* impl, const grid_point& g, factory<S> make) {
 
 // ---- Limits: what the memory system gives a trivially simple kernel. ------------------------
 
+/// Registers the limits at P = elements on `threads` threads: each kernel of limits.hpp runs on
+/// contiguous chunks (multiples of 64 elements) of [0, P), one per thread of a chunk_pool built
+/// with the benchmark's state.
 template <class S>
-void register_limits(std::size_t elements) {
-  using vec = Eigen::Matrix<S, Eigen::Dynamic, 1>;
-  using map = Eigen::Map<vec, Eigen::Aligned64>;
-  using cmap = Eigen::Map<const vec, Eigen::Aligned64>;
-  const auto n = static_cast<Eigen::Index>(elements);
+void register_limits(std::size_t elements, int threads) {
   const std::string prefix = std::string("limit/") + type_name<S>() + "/";
-  const std::string suffix = grid_suffix(elements, 1);
+  const std::string suffix = grid_suffix(elements, threads);
   const double bytes = static_cast<double>(elements) * sizeof(S);
 
-  // copy: dst = src with Eigen's packet loop (ordinary stores). 2*P*sizeof credited.
-  register_prepared(prefix + "copy" + suffix, 2 * bytes, [=](prepared& p) {
-    const S* src = towers_cache().get<S>(1, elements)[0];
-    S* dst = p.hold<aligned_buffer<S>>(elements).data();
-    p.sink = dst;
-    p.kernel = make_fn_runner([=] { map(dst, n) = cmap(src, n); });
-    p.kernel->run();
-    if (std::memcmp(src, dst, elements * sizeof(S)) != 0) p.error = "copy mismatch";
-  });
+  // copy (ordinary stores), copy_nt (non-temporal stores), memcpy: 2*P*sizeof credited.
+  struct copy_kernel {
+    const char* name;
+    void (*fn)(S*, const S*, std::size_t);
+  };
+  const copy_kernel copies[] = {
+      {"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}, {"memcpy", &limits::memcpy<S>}};
+  for (const copy_kernel& k : copies) {
+    register_prepared(prefix + k.name + suffix, 2 * bytes, [=](prepared& p) {
+      const S* src = towers_cache().get<S>(1, elements)[0];
+      S* dst = p.hold<aligned_buffer<S>>(elements).data();
+      auto& pool = p.hold<chunk_pool>(threads);
+      p.sink = dst;
+      p.kernel = make_fn_runner([=, fn = k.fn, &pool] {
+        pool.for_chunks(elements,
+                        [=](std::size_t, std::size_t b, std::size_t e) { fn(dst + b, src + b, e - b); });
+      });
+      poison(std::span<S>(dst, elements));
+      p.kernel->run();
+      if (std::memcmp(src, dst, elements * sizeof(S)) != 0) p.error = std::string(k.name) + " mismatch";
+    });
+  }
 
-  // memcpy: the C library's copy, which may use non-temporal stores at large sizes.
-  register_prepared(prefix + "memcpy" + suffix, 2 * bytes, [=](prepared& p) {
-    const S* src = towers_cache().get<S>(1, elements)[0];
-    S* dst = p.hold<aligned_buffer<S>>(elements).data();
-    p.sink = dst;
-    p.kernel = make_fn_runner([=] { std::memcpy(dst, src, elements * sizeof(S)); });
-    p.kernel->run();
-    if (std::memcmp(src, dst, elements * sizeof(S)) != 0) p.error = "memcpy mismatch";
-  });
-
-  // sum: read-only reduction with Eigen's vectorised redux. P*sizeof credited.
+  // sum: read-only reduction, one partial sum per chunk, added in chunk order. P*sizeof credited.
   register_prepared(prefix + "sum" + suffix, bytes, [=](prepared& p) {
     const S* src = towers_cache().get<S>(1, elements)[0];
+    auto& pool = p.hold<chunk_pool>(threads);
+    auto& partial = p.hold<std::vector<S>>(pool.threads(), S(0));
     S* result = &p.hold<S>();
     p.sink = result;
-    p.kernel = make_fn_runner([=] { *result = cmap(src, n).sum(); });
+    p.kernel = make_fn_runner([=, &pool, &partial] {
+      pool.for_chunks(elements, [&](std::size_t c, std::size_t b, std::size_t e) {
+        partial[c] = limits::sum(src + b, e - b);
+      });
+      S total = 0;
+      for (S x : partial) total += x;
+      *result = total;
+    });
     p.kernel->run();
     double want = 0, abs_sum = 0;
     for (std::size_t i = 0; i < elements; ++i) {
@@ -160,23 +174,27 @@ void register_limits(std::size_t elements) {
 
 // ---- The grid. ---------------------------------------------------------------------------
 
-/// Registers limits and peers in (P, T, op, impl) order; `threads` is the peers' thread count.
+/// Registers limits and peers in (P, threads, T, op, impl) order, so that benchmarks sharing a
+/// (type, P) set of towers run one after the other.
 template <class S>
 void register_grid(const std::vector<std::size_t>& tower_counts,
-                   const std::vector<std::size_t>& sizes, int threads) {
+                   const std::vector<std::size_t>& sizes, const std::vector<int>& threads) {
   for (std::size_t elements : sizes) {
-    register_limits<S>(elements);
-    for (std::size_t towers : tower_counts) {
-      for (op what : {op::mean, op::mean_sq}) {
-        const grid_point g{what, towers, elements, threads};
+    for (int n : threads) {
+      register_limits<S>(elements, n);
+      for (std::size_t towers : tower_counts) {
+        for (op what : {op::mean, op::mean_sq}) {
+          const grid_point g{what, towers, elements, n};
 #ifndef GRADAVG_BENCH_NO_GRADAVG
-        register_peer<S>("gradavg", g, &make_gradavg<S>);
+          register_peer<S>("gradavg", g, &make_gradavg<S>);
+          register_peer<S>("gradavg_nt", g, &make_gradavg_nt<S>);
 #endif
-        register_peer<S>("eigen_per_tower", g, &make_eigen_per_tower<S>);
-        register_peer<S>("stacked_tensor", g, &make_stacked_tensor<S>);
+          register_peer<S>("eigen_per_tower", g, &make_eigen_per_tower<S>);
+          register_peer<S>("stacked_tensor", g, &make_stacked_tensor<S>);
 #ifdef GRADAVG_BENCH_HAVE_ONEDNN
-        if constexpr (std::is_same_v<S, float>) register_peer<S>("onednn_sum", g, &make_onednn_sum);
+          if constexpr (std::is_same_v<S, float>) register_peer<S>("onednn_sum", g, &make_onednn_sum);
 #endif
+        }
       }
     }
   }
@@ -190,8 +208,10 @@ int main(int argc, char** argv) {
   // 64Ki (256 KiB of floats per tower: cache), 1Mi, 16Mi (DRAM).
   const std::vector<std::size_t> sizes{std::size_t{1} << 16, std::size_t{1} << 20,
                                        std::size_t{1} << 24};
-  register_grid<float>({2, 4, 8, 16}, sizes, 1);
-  register_grid<double>({8}, sizes, 1);
+  // 1 thread and all cores (std::thread::hardware_concurrency()).
+  const std::vector<int> threads = thread_counts();
+  register_grid<float>({2, 4, 8, 16}, sizes, threads);
+  register_grid<double>({8}, sizes, threads);
 
 #ifdef GRADAVG_BENCH_NO_GRADAVG
   benchmark::AddCustomContext("gradavg", "not built (GRADAVG_BENCH_NO_GRADAVG)");
@@ -205,6 +225,10 @@ int main(int argc, char** argv) {
 #else
   benchmark::AddCustomContext("onednn", "not found at configure time");
 #endif
+  std::string thread_list;
+  for (int n : threads) thread_list += (thread_list.empty() ? "" : ",") + std::to_string(n);
+  benchmark::AddCustomContext("threads", thread_list);
+  benchmark::AddCustomContext("copy_nt_store", limits::streaming_store_name<float>());
   benchmark::AddCustomContext("bytes_credited",
                               "STREAM-style: mean (T+1)*P*sizeof, mean_sq (T+2)*P*sizeof, "
                               "copy 2*P*sizeof, sum P*sizeof");

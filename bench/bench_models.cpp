@@ -1,14 +1,15 @@
 // Model-shaped benchmark: mean + mean of squares over the parameter lists of ResNet-50 (161
-// tensors) and BERT-base (199 tensors), float, T = 4 and 8, against the same number of values
-// as one flat buffer, so that per-variable overhead shows.
+// tensors) and BERT-base (199 tensors), float, T = 4 and 8, threads 1 and all cores, against the
+// same number of values as one flat buffer, so that per-variable overhead shows.
 //
 // Each tower is one 64-byte aligned buffer; variable v is a slice of it starting at a 64-byte
 // boundary (padding between slices is never read). The "flat" runs average the first
 // total-params values of the same buffers, so both read the same amount of memory and credit
 // the same bytes: (T+2) * total * sizeof(float).
 //
-// Names: model/<model>/float/<impl>/T:<T>/threads:1, impl in {gradavg_vars, gradavg_flat,
-// eigen_vars, eigen_flat}, plus model/<model>/float/copy/P:<total>/threads:1 (2*total*4 bytes).
+// Names: model/<model>/float/<impl>/T:<T>/threads:<n>, impl in {gradavg_vars, gradavg_flat,
+// gradavg_nt_vars, gradavg_nt_flat, eigen_vars, eigen_flat}, plus the copy limits
+// model/<model>/float/{copy,copy_nt}/P:<total>/threads:<n> (2*total*4 bytes).
 //
 // Memory: a model's towers and outputs take (T+2) * total * 4 bytes (BERT-base at T=8: 4.4 GB).
 // Runs that would need more than GRADAVG_BENCH_MAX_GIB (environment, default 8) are skipped.
@@ -20,11 +21,11 @@
 #include <string>
 #include <vector>
 
-#include <Eigen/Core>
-
 #include "common.hpp"
 #include "harness.hpp"
+#include "limits.hpp"
 #include "model_shapes.hpp"
+#include "parallel.hpp"
 #include "peers.hpp"
 
 namespace gradavg_bench {
@@ -94,7 +95,7 @@ using flat_factory = std::unique_ptr<runner> (*)(const problem<S>&);
 
 /// Builds one model benchmark: per-variable with make_vars, or flat with make_flat; runs it
 /// once and checks every output value against the double reference.
-void build_model(prepared& p, const model_shapes& m, std::size_t towers, layout l,
+void build_model(prepared& p, const model_shapes& m, std::size_t towers, int threads, layout l,
                  var_factory make_vars, flat_factory make_flat) {
   model_data& d = get_model(m, towers);
   const auto& ptrs = p.hold<std::vector<const S*>>(tower_ptrs(d, towers));
@@ -108,6 +109,7 @@ void build_model(prepared& p, const model_shapes& m, std::size_t towers, layout 
     vp.sizes = d.sizes;
     vp.mean = d.mean.data();
     vp.sq = d.sq.data();
+    vp.threads = threads;
     p.kernel = make_vars(vp);
     p.kernel->run();
     for (std::size_t v = 0; v < d.offsets.size() && p.error.empty(); ++v) {
@@ -122,32 +124,18 @@ void build_model(prepared& p, const model_shapes& m, std::size_t towers, layout 
     fp.elements = d.total;
     fp.mean = d.mean.data();
     fp.sq = d.sq.data();
+    fp.threads = threads;
     p.kernel = make_flat(fp);
     p.kernel->run();
     p.error = check_against_reference<S>(ptrs, 0, d.total, d.mean.data(), d.sq.data());
   }
 }
 
-void register_model(const model_shapes& m, const std::vector<std::size_t>& tower_counts) {
+void register_model(const model_shapes& m, const std::vector<std::size_t>& tower_counts,
+                    const std::vector<int>& thread_counts) {
   std::size_t total = 0;
   for (const param_shape& s : m.params) total += s.size();
   const std::string prefix = "model/" + m.name + "/float/";
-
-  register_prepared(prefix + "copy/P:" + std::to_string(total) + "/threads:1",
-                    2.0 * static_cast<double>(total) * sizeof(S), [m, total](prepared& p) {
-                      model_data& d = get_model(m, 1);
-                      const S* src = d.towers[0].data();
-                      S* dst = d.mean.data();
-                      const auto n = static_cast<Eigen::Index>(total);
-                      p.sink = dst;
-                      p.kernel = make_fn_runner([=] {
-                        using vec = Eigen::Matrix<S, Eigen::Dynamic, 1>;
-                        Eigen::Map<vec, Eigen::Aligned64>(dst, n) =
-                            Eigen::Map<const vec, Eigen::Aligned64>(src, n);
-                      });
-                      p.kernel->run();
-                      if (std::memcmp(src, dst, total * sizeof(S)) != 0) p.error = "copy mismatch";
-                    });
 
   struct impl {
     const char* name;
@@ -159,17 +147,49 @@ void register_model(const model_shapes& m, const std::vector<std::size_t>& tower
 #ifndef GRADAVG_BENCH_NO_GRADAVG
       {"gradavg_vars", layout::vars, &make_gradavg_vars<S>, nullptr},
       {"gradavg_flat", layout::flat, nullptr, &make_gradavg<S>},
+      {"gradavg_nt_vars", layout::vars, &make_gradavg_nt_vars<S>, nullptr},
+      {"gradavg_nt_flat", layout::flat, nullptr, &make_gradavg_nt<S>},
 #endif
       {"eigen_vars", layout::vars, &make_eigen_per_tower_vars<S>, nullptr},
       {"eigen_flat", layout::flat, nullptr, &make_eigen_per_tower<S>},
   };
-  for (std::size_t towers : tower_counts) {
-    const double bytes = credited_bytes<S>(op::mean_sq, towers, total);
-    for (const impl& i : impls)
-      register_prepared(prefix + i.name + "/T:" + std::to_string(towers) + "/threads:1", bytes,
-                        [m, towers, i](prepared& p) {
-                          build_model(p, m, towers, i.l, i.vars, i.flat);
+
+  for (int threads : thread_counts) {
+    // The copy limits over the flat total, split into one contiguous chunk per thread.
+    struct copy_kernel {
+      const char* name;
+      void (*fn)(S*, const S*, std::size_t);
+    };
+    const copy_kernel copies[] = {{"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}};
+    const std::string suffix = "/P:" + std::to_string(total) + "/threads:" + std::to_string(threads);
+    for (const copy_kernel& k : copies) {
+      register_prepared(prefix + k.name + suffix, 2.0 * static_cast<double>(total) * sizeof(S),
+                        [m, total, threads, k](prepared& p) {
+                          model_data& d = get_model(m, 1);
+                          const S* src = d.towers[0].data();
+                          S* dst = d.mean.data();
+                          auto& pool = p.hold<chunk_pool>(threads);
+                          p.sink = dst;
+                          p.kernel = make_fn_runner([src, dst, total, fn = k.fn, &pool] {
+                            pool.for_chunks(total, [=](std::size_t, std::size_t b, std::size_t e) {
+                              fn(dst + b, src + b, e - b);
+                            });
+                          });
+                          poison(d.mean.span());  // what an earlier run left there must not pass
+                          p.kernel->run();
+                          if (std::memcmp(src, dst, total * sizeof(S)) != 0)
+                            p.error = std::string(k.name) + " mismatch";
                         });
+    }
+    for (std::size_t towers : tower_counts) {
+      const double bytes = credited_bytes<S>(op::mean_sq, towers, total);
+      for (const impl& i : impls)
+        register_prepared(prefix + i.name + "/T:" + std::to_string(towers) + "/threads:" +
+                              std::to_string(threads),
+                          bytes, [m, towers, threads, i](prepared& p) {
+                            build_model(p, m, towers, threads, i.l, i.vars, i.flat);
+                          });
+    }
   }
 }
 
@@ -190,9 +210,10 @@ void check_counts(const model_shapes& m) {
 int main(int argc, char** argv) {
   using namespace gradavg_bench;
   const model_shapes models[] = {resnet50_shapes(), bert_base_shapes()};
+  const std::vector<int> threads = thread_counts();  // 1 and all cores
   for (const model_shapes& m : models) {
     check_counts(m);
-    register_model(m, {4, 8});
+    register_model(m, {4, 8}, threads);
     std::size_t total = 0;
     for (const param_shape& s : m.params) total += s.size();
     benchmark::AddCustomContext(m.name, std::to_string(m.params.size()) + " tensors, " +

@@ -124,7 +124,7 @@ struct problem {
   std::size_t elements = 0;
   S* mean = nullptr;  ///< receives the mean over towers
   S* sq = nullptr;    ///< receives the mean of squares; null: mean only
-  int threads = 1;    ///< worker threads the peer may use (only 1 is registered today)
+  int threads = 1;    ///< threads the peer uses, the calling thread included (1 or all cores)
 };
 
 /// A model-shaped problem: variable v of tower t is the `sizes[v]` values at
@@ -137,7 +137,7 @@ struct var_problem {
   std::span<const std::size_t> sizes;
   S* mean = nullptr;
   S* sq = nullptr;  ///< null: mean only
-  int threads = 1;
+  int threads = 1;  ///< as in problem
 };
 
 /// A prepared implementation: everything allocated and built at construction, so that run()

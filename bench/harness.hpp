@@ -87,7 +87,8 @@ inline void time_loop(benchmark::State& state, prepared& p, double bytes) {
 }
 
 /// Registers a benchmark whose state `build` prepares; every iteration credits `bytes`.
-/// Wall-clock time, so that threaded peers are measured fairly once they are added.
+/// Wall-clock time, so that threaded runs are measured fairly (Google Benchmark's CPU time is
+/// the benchmark thread's only).
 inline benchmark::internal::Benchmark* register_prepared(const std::string& name, double bytes,
                                                          std::function<void(prepared&)> build) {
   return benchmark::RegisterBenchmark(name.c_str(),

@@ -10,34 +10,49 @@
 namespace gradavg_bench {
 
 /// One Eigen pass per tower on Eigen::Map: out = g0; out += g1; ...; out *= 1/T (same for
-/// squares with .square()). Single-threaded.
+/// squares with .square()). With n threads, [0, P) is split into n contiguous chunks (multiples
+/// of 64 elements) and each thread runs those passes on its chunk, on a persistent pool.
 template <class S>
 std::unique_ptr<runner> make_eigen_per_tower(const problem<S>& p);
 
-/// eigen_per_tower applied to each variable of a model in turn.
+/// eigen_per_tower applied to each variable of a model in turn. With n threads, all variables'
+/// elements form one flat range split into n contiguous chunks, as gradavg splits them; each
+/// thread runs the per-tower passes on the pieces of the variables its chunk covers.
 template <class S>
 std::unique_ptr<runner> make_eigen_per_tower_vars(const var_problem<S>& p);
 
 /// The TensorFlow seed's way: copy the towers into one stacked row-major T x P Eigen::Tensor
 /// (tf.stack / tf.concat), then .mean() (and .square().mean()) over the tower dimension.
-/// Evaluated on Eigen::DefaultDevice for 1 thread, on an Eigen::ThreadPoolDevice otherwise.
+/// Evaluated on Eigen::DefaultDevice for 1 thread, otherwise on an Eigen::ThreadPoolDevice with
+/// n threads (the stacking copies and the reductions alike).
 template <class S>
 std::unique_ptr<runner> make_stacked_tensor(const problem<S>& p);
 
 #ifdef GRADAVG_BENCH_HAVE_ONEDNN
 /// oneDNN's sum primitive with scales 1/T over T 1-D f32 memories. Squares: one eltwise_pow
 /// (alpha 1/T, beta 2) per tower into scratch, then a second sum (not fused). float only.
+/// Threads: oneDNN's OpenMP runtime, set with omp_set_num_threads at construction.
 std::unique_ptr<runner> make_onednn_sum(const problem<float>& p);
 #endif
 
 #ifndef GRADAVG_BENCH_NO_GRADAVG
-/// gradavg::average_gradients_into over one variable per tower.
+/// gradavg::average_gradients_into over one variable per tower, default options but for
+/// threads: options{.threads = n, .pool = &pool} with a gradavg::thread_pool(n) that the runner
+/// owns (created once, at construction).
 template <class S>
 std::unique_ptr<runner> make_gradavg(const problem<S>& p);
+
+/// As make_gradavg, with options.streaming_stores = true (non-temporal stores).
+template <class S>
+std::unique_ptr<runner> make_gradavg_nt(const problem<S>& p);
 
 /// gradavg::average_gradients_into over many variables per tower (see var_problem).
 template <class S>
 std::unique_ptr<runner> make_gradavg_vars(const var_problem<S>& p);
+
+/// As make_gradavg_vars, with options.streaming_stores = true.
+template <class S>
+std::unique_ptr<runner> make_gradavg_nt_vars(const var_problem<S>& p);
 #endif
 
 }  // namespace gradavg_bench

@@ -4,11 +4,15 @@
 Usage:
   bench/run_grid.py --binary BUILD/bench/gradavg_bench [--models-binary BUILD/bench/gradavg_bench_models]
                     [--out-dir docs] [--json-dir BUILD/bench] [--quick] [--clock real|cpu]
+                    [--filter REGEX] [--models-filter REGEX] [--min-time SECONDS]
   bench/run_grid.py --from-json BUILD/bench/bench_grid.json [--models-json ...]   # no rerun
 
-The table reports, for every (type, op, T, P): gradavg's bandwidth, each peer's time divided by
-gradavg's (above 1: gradavg is faster), and gradavg's bandwidth as a fraction of the STREAM-style
-copy bandwidth at the same P. Bytes are credited STREAM-style (see bench/README.md).
+The table has one row per (op, type, T, P, threads): the bandwidth of gradavg (default options)
+and gradavg_nt (streaming_stores), the faster of the two ("gradavg-best", named), each peer's
+time divided by gradavg-best's (above 1: gradavg is faster), gradavg-best's bandwidth as a
+fraction of the ordinary-store copy and of the best of copy / copy_nt / memcpy at the same P and
+thread count, and for mean_sq the time of gradavg-best's mean_sq over its mean. A summary checks
+the targets at P = 16Mi. Bytes are credited STREAM-style (see bench/README.md).
 """
 
 import argparse
@@ -19,10 +23,26 @@ import pathlib
 import subprocess
 import sys
 
+GRADAVG = ["gradavg", "gradavg_nt"]  # default options; streaming_stores = true
 PEERS = ["eigen_per_tower", "stacked_tensor", "onednn_sum"]
-IMPLS = ["gradavg"] + PEERS
-MODEL_IMPLS = ["gradavg_vars", "gradavg_flat", "eigen_vars", "eigen_flat"]
+IMPLS = GRADAVG + PEERS
+COPIES = ["copy", "copy_nt", "memcpy"]  # the copy limits; the best of them is "best copy"
+LIMITS = COPIES + ["sum"]
+MODEL_IMPLS = ["gradavg_vars", "gradavg_flat", "gradavg_nt_vars", "gradavg_nt_flat", "eigen_vars", "eigen_flat"]
+MODEL_PAIRS = ["gradavg", "gradavg_nt", "eigen"]  # <name>_vars / <name>_flat
+MODEL_COPIES = ["copy", "copy_nt"]
 TIME_SCALE = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+DRAM_P = 1 << 24  # the summary's P (16Mi: every working set is far beyond the caches)
+# The targets the summary checks at P = DRAM_P, for gradavg-best (the faster of gradavg and
+# gradavg_nt): (column, label, threshold, at least (True) or at most (False)).
+TARGETS = [
+    ("of_copy", "≥0.90 of copy", 0.90, True),
+    ("of_best_copy", "≥0.90 of best copy", 0.90, True),
+    ("vs_onednn_sum", "≥1.3× onednn_sum", 1.3, True),
+    ("vs_eigen_per_tower", "≥2× eigen_per_tower", 2.0, True),
+    ("vs_stacked_tensor", "≥4× stacked_tensor", 4.0, True),
+    ("sq_over_mean", "mean_sq ≤1.2× mean time", 1.2, False),
+]
 
 
 def parse_args():
@@ -39,18 +59,24 @@ def parse_args():
     ap.add_argument("--min-time", type=float, default=None,
                     help="--benchmark_min_time in seconds (default 0.2, quick 0.05)")
     ap.add_argument("--filter", default=None, help="--benchmark_filter for the grid binary")
+    ap.add_argument("--models-filter", default=None,
+                    help="--benchmark_filter for the models binary (default: all; quick: resnet50)")
     ap.add_argument("--clock", choices=["real", "cpu"], default="real",
-                    help="time base for bandwidths and ratios (default real; cpu on a busy machine)")
+                    help="time base for bandwidths and ratios (default real; cpu on a busy machine, "
+                         "but CPU time is the calling thread's only: wrong for threaded runs)")
     args = ap.parse_args()
     if not args.binary and not args.from_json:
         ap.error("give --binary or --from-json")
     if args.min_time is None:
         args.min_time = 0.05 if args.quick else 0.2
+    if args.models_filter is None and args.quick:
+        args.models_filter = "resnet50"
     return args
 
 
 def run_binary(binary, json_path, min_time, bench_filter):
     """Runs one benchmark binary; console output goes to the terminal, results to json_path."""
+    # Google Benchmark 1.7 takes --benchmark_min_time as seconds (a double, no "s" suffix).
     cmd = [binary, f"--benchmark_min_time={min_time}", f"--benchmark_out={json_path}",
            "--benchmark_out_format=json", "--benchmark_counters_tabular=false"]
     if bench_filter:
@@ -70,6 +96,7 @@ def parse_name(name):
             rec[k] = int(v)
         else:
             plain.append(p)
+    rec.setdefault("threads", 1)
     if plain[0] == "model":
         rec.update(family="model", model=plain[1], dtype=plain[2], impl=plain[3])
     else:
@@ -80,7 +107,10 @@ def parse_name(name):
 def load(json_path, clock):
     """Reads a Google Benchmark JSON file into (context, [records])."""
     with open(json_path) as f:
-        data = json.load(f)
+        text = f.read()
+    if not text.strip():  # Google Benchmark leaves the file empty when the filter matches nothing
+        return {}, []
+    data = json.loads(text)
     out = []
     for b in data.get("benchmarks", []):
         if b.get("run_type", "iteration") != "iteration":
@@ -114,100 +144,226 @@ def machine_line(ctx):
     caches = ", ".join(f"L{c['level']}{c['type'][0].lower() if c['level'] == 1 else ''} "
                        f"{c['size'] // 1024} KiB" for c in ctx.get("caches", []))
     return (f"{ctx.get('num_cpus', '?')} CPUs at {ctx.get('mhz_per_cpu', '?')} MHz; {caches}; "
-            f"gradavg {ctx.get('gradavg', '?')}, oneDNN {ctx.get('onednn', '?')}")
+            f"gradavg {ctx.get('gradavg', '?')}, oneDNN {ctx.get('onednn', '?')}; "
+            f"copy_nt stores with {ctx.get('copy_nt_store', '?')}")
+
+
+class Grid:
+    """The grid's records, indexed, and the derived quantities the table and summary share."""
+
+    def __init__(self, recs):
+        self.runs = {}    # (dtype, op, T, P, threads, impl) -> record
+        self.limits = {}  # (dtype, P, threads, impl) -> record
+        self.errors = []
+        for r in recs:
+            if "error" in r:
+                self.errors.append(r)
+            elif r["family"] == "limit":
+                self.limits[(r["dtype"], r["P"], r["threads"], r["impl"])] = r
+            else:
+                self.runs[(r["dtype"], r["family"], r["T"], r["P"], r["threads"], r["impl"])] = r
+        # (dtype, op, T, P, threads), floats first, mean before mean_sq
+        self.keys = sorted({k[:5] for k in self.runs},
+                           key=lambda k: (k[0] != "float", k[1] != "mean", k[2], k[3], k[4]))
+
+    def get(self, key, impl):
+        return self.runs.get(key + (impl,))
+
+    def best(self, key):
+        """(name, record) of the faster of gradavg and gradavg_nt at key, or (None, None)."""
+        found = [(self.runs[key + (g,)]["seconds"], g) for g in GRADAVG if key + (g,) in self.runs]
+        if not found:
+            return None, None
+        name = min(found)[1]
+        return name, self.runs[key + (name,)]
+
+    def copy(self, dtype, p, threads, impl="copy"):
+        return self.limits.get((dtype, p, threads, impl))
+
+    def best_copy(self, dtype, p, threads):
+        """(name, record) of the fastest of copy, copy_nt and memcpy, or (None, None)."""
+        found = [(r["bw"], c) for c in COPIES if (r := self.limits.get((dtype, p, threads, c)))]
+        if not found:
+            return None, None
+        name = max(found)[1]
+        return name, self.limits[(dtype, p, threads, name)]
+
+    def metrics(self, key):
+        """Everything a row reports for key = (dtype, op, T, P, threads); absent values are None."""
+        dtype, o, t, p, threads = key
+        name, best = self.best(key)
+        m = {"best": name, "best_rec": best}
+        for peer in PEERS:
+            pr = self.get(key, peer)
+            m["vs_" + peer] = pr["seconds"] / best["seconds"] if (best and pr) else None
+        copy = self.copy(dtype, p, threads)
+        m["of_copy"] = best["bw"] / copy["bw"] if (best and copy) else None
+        bc_name, bc = self.best_copy(dtype, p, threads)
+        m["best_copy"] = bc_name
+        m["of_best_copy"] = best["bw"] / bc["bw"] if (best and bc) else None
+        m["sq_over_mean"] = None
+        if o == "mean_sq":
+            _, mean_best = self.best((dtype, "mean", t, p, threads))
+            if best and mean_best:
+                m["sq_over_mean"] = best["seconds"] / mean_best["seconds"]
+        return m
+
+
+def ratio(x):
+    return f"{x:.2f}" if x is not None else "-"
+
+
+def pct(x):
+    return f"{x:.0%}" if x is not None else "-"
+
+
+def verdict(value, threshold, at_least):
+    if value is None:
+        return "-"
+    met = value >= threshold if at_least else value <= threshold
+    return f"{value:.2f} {'✓' if met else '✗'}"
 
 
 def write_table(path, ctx, recs, model_recs, args):
-    grid = {}
-    limits = {}
-    errors = []
-    for r in recs:
-        if "error" in r:
-            errors.append(r)
-            continue
-        if r["family"] == "limit":
-            limits[(r["dtype"], r["P"], r["impl"])] = r
-        else:
-            grid[(r["dtype"], r["family"], r["T"], r["P"], r["impl"])] = r
-
+    g = Grid(recs)
+    threads_all = sorted({k[4] for k in g.keys} | {k[2] for k in g.limits})
     lines = [
         "# gradavg benchmark grid",
         "",
         f"Generated by `bench/run_grid.py{' --quick' if args.quick else ''}` on "
-        f"{datetime.date.today().isoformat()}; {args.clock} time, min_time {args.min_time} s, 1 thread.",
+        f"{datetime.date.today().isoformat()}; {args.clock} time, min_time {args.min_time} s, "
+        f"threads {', '.join(map(str, threads_all)) or '?'} (1 and all cores).",
         f"Machine: {machine_line(ctx)}.",
         "",
         "Bytes are credited STREAM-style: mean (T+1)·P·sizeof, mean + squares (T+2)·P·sizeof, "
         "copy 2·P·sizeof, read-only sum P·sizeof (see bench/README.md). GB/s = 1e9 bytes/s.",
-        "Ratios are peer time / gradavg time: above 1, gradavg is faster. "
-        "\"of copy\" is gradavg's bandwidth over the copy limit's at the same P.",
         "",
-        "## Limits (GB/s)",
+        "- `gradavg`: default options (but for threads and the pool); `gradavg_nt`: "
+        "`options.streaming_stores = true`. **best** names the faster of the two at that row: "
+        "`gradavg-best`.",
+        "- `vs <peer>`: peer time / gradavg-best time at the same op, type, T, P and threads "
+        "(above 1: gradavg is faster).",
+        "- `of copy`: gradavg-best's bandwidth / `copy`'s (Eigen loop, ordinary stores); "
+        "`of best copy`: / the fastest of `copy`, `copy_nt` (non-temporal stores) and `memcpy` "
+        "(named); both at the same P and thread count.",
+        "- `sq/mean`: for mean_sq, gradavg-best's mean_sq time / gradavg-best's mean time at "
+        "the same type, T, P and threads.",
         "",
-        "| type | P | copy | memcpy | sum |",
-        "|---|---:|---:|---:|---:|",
     ]
-    for dtype in ("float", "double"):
-        for p in sorted({k[1] for k in limits if k[0] == dtype}):
-            cells = [gbs(limits[(dtype, p, i)]["bw"]) if (dtype, p, i) in limits else "-"
-                     for i in ("copy", "memcpy", "sum")]
-            lines.append(f"| {dtype} | {size_label(p)} | " + " | ".join(cells) + " |")
+    if args.clock == "cpu":
+        lines += ["**CPU time** of the benchmark's own thread only: rows with more than one thread "
+                  "leave the other threads' work out and overstate their bandwidth.", ""]
+    lines += [
+        f"## Targets at P = {size_label(DRAM_P)} (DRAM)",
+        "",
+    ]
 
-    keys = sorted({k[:4] for k in grid},
-                  key=lambda k: (k[0] != "float", k[1] != "mean", k[2], k[3]))
-    have_gradavg = any(k[4] == "gradavg" for k in grid)
+    dram = [k for k in g.keys if k[3] == DRAM_P]
+    if not dram:
+        lines += [f"No run at P = {size_label(DRAM_P)} in this data.", ""]
+    else:
+        lines += ["Each cell: the value for gradavg-best, ✓ when the target is met, ✗ when not, "
+                  "- when not measured (oneDNN: float only; sq/mean: mean_sq rows).", "",
+                  "| type | op | T | threads | best | " + " | ".join(t[1] for t in TARGETS) + " |",
+                  "|---|---|---:|---:|---|" + "---:|" * len(TARGETS)]
+        tally = {t[0]: [0, 0] for t in TARGETS}
+        for k in dram:
+            m = g.metrics(k)
+            cells = []
+            for col, _, thr, at_least in TARGETS:
+                v = m[col]
+                cells.append(verdict(v, thr, at_least))
+                if v is not None:
+                    tally[col][1] += 1
+                    tally[col][0] += (v >= thr) if at_least else (v <= thr)
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[4]} | {m['best'] or '-'} | " + " | ".join(cells) + " |")
+        lines += ["", "Met: " + "; ".join(f"{label} {tally[col][0]}/{tally[col][1]}"
+                                          for col, label, _, _ in TARGETS) + "."]
+        for threads in sorted({k[4] for k in dram}):
+            sub = [k for k in dram if k[4] == threads]
+            met = []
+            for col, label, thr, at_least in TARGETS:
+                vals = [g.metrics(k)[col] for k in sub]
+                vals = [v for v in vals if v is not None]
+                if vals:
+                    ok = sum((v >= thr) if at_least else (v <= thr) for v in vals)
+                    met.append(f"{label} {ok}/{len(vals)}")
+            lines.append(f"At {threads} thread{'s' if threads != 1 else ''}: " + "; ".join(met) + ".")
+        lines.append("")
+
+    lines += ["## Limits (GB/s)", "",
+              "| type | P | threads | " + " | ".join(LIMITS) + " | best copy |",
+              "|---|---:|---:|" + "---:|" * len(LIMITS) + "---|"]
+    for dtype in ("float", "double"):
+        for p in sorted({k[1] for k in g.limits if k[0] == dtype}):
+            for threads in sorted({k[2] for k in g.limits if k[:2] == (dtype, p)}):
+                cells = [gbs(r["bw"]) if (r := g.limits.get((dtype, p, threads, i))) else "-" for i in LIMITS]
+                bc = g.best_copy(dtype, p, threads)[0]
+                lines.append(f"| {dtype} | {size_label(p)} | {threads} | " + " | ".join(cells) + f" | {bc or '-'} |")
+
+    have_gradavg = any(k[5] in GRADAVG for k in g.runs)
     lines += ["", "## gradavg against its peers", ""]
     if not have_gradavg:
         lines += ["gradavg was not in this run (built with GRADAVG_BENCH_NO_GRADAVG?): "
                   "only the bandwidth table below is filled.", ""]
-    lines += ["| type | op | T | P | gradavg GB/s | " + " | ".join(f"vs {p}" for p in PEERS) +
-              " | of copy |",
-              "|---|---|---:|---:|---:|" + "---:|" * len(PEERS) + "---:|"]
-    for k in keys:
-        g = grid.get(k + ("gradavg",))
-        copy = limits.get((k[0], k[3], "copy"))
-        cells = [gbs(g["bw"]) if g else "-"]
-        for peer in PEERS:
-            pr = grid.get(k + (peer,))
-            cells.append(f"{pr['seconds'] / g['seconds']:.2f}" if (g and pr) else "-")
-        cells.append(f"{g['bw'] / copy['bw']:.0%}" if (g and copy) else "-")
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {size_label(k[3])} | " + " | ".join(cells) + " |")
+    lines += ["| type | op | T | P | threads | gradavg GB/s | gradavg_nt GB/s | best | " +
+              " | ".join(f"vs {p}" for p in PEERS) + " | of copy | of best copy | sq/mean |",
+              "|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * len(PEERS) + "---:|---:|---:|"]
+    for k in g.keys:
+        m = g.metrics(k)
+        cells = [gbs(r["bw"]) if (r := g.get(k, i)) else "-" for i in GRADAVG]
+        cells.append(m["best"] or "-")
+        cells += [ratio(m["vs_" + peer]) for peer in PEERS]
+        cells.append(pct(m["of_copy"]))
+        cells.append(f"{pct(m['of_best_copy'])} ({m['best_copy']})" if m["of_best_copy"] is not None else "-")
+        cells.append(ratio(m["sq_over_mean"]))
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {size_label(k[3])} | {k[4]} | " + " | ".join(cells) + " |")
 
     lines += ["", "## Bandwidth of every implementation (GB/s)", "",
-              "| type | op | T | P | " + " | ".join(IMPLS) + " | copy |",
-              "|---|---|---:|---:|" + "---:|" * (len(IMPLS) + 1)]
-    for k in keys:
-        cells = [gbs(grid[k + (i,)]["bw"]) if k + (i,) in grid else "-" for i in IMPLS]
-        copy = limits.get((k[0], k[3], "copy"))
-        cells.append(gbs(copy["bw"]) if copy else "-")
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {size_label(k[3])} | " + " | ".join(cells) + " |")
+              "| type | op | T | P | threads | " + " | ".join(IMPLS + COPIES) + " |",
+              "|---|---|---:|---:|---:|" + "---:|" * (len(IMPLS) + len(COPIES))]
+    for k in g.keys:
+        cells = [gbs(r["bw"]) if (r := g.get(k, i)) else "-" for i in IMPLS]
+        cells += [gbs(r["bw"]) if (r := g.copy(k[0], k[3], k[4], c)) else "-" for c in COPIES]
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {size_label(k[3])} | {k[4]} | " + " | ".join(cells) + " |")
 
+    errors = list(g.errors)
     if model_recs:
         models = {}
         mcopy = {}
         for r in model_recs:
             if "error" in r:
                 errors.append(r)
-            elif r["impl"] == "copy":
-                mcopy[r["model"]] = r
+            elif r["impl"] in MODEL_COPIES:
+                mcopy[(r["model"], r["threads"], r["impl"])] = r
             else:
-                models[(r["model"], r["T"], r["impl"])] = r
+                models[(r["model"], r["T"], r["threads"], r["impl"])] = r
         lines += ["", "## Model parameter lists: mean + squares, float (GB/s)", "",
                   "`_vars`: one entry per parameter tensor; `_flat`: one buffer of the same total "
-                  "size. vars/flat is the time ratio (above 1: per-variable overhead).", "",
-                  "| model | T | " + " | ".join(MODEL_IMPLS) + " | gradavg vars/flat | copy |",
-                  "|---|---:|" + "---:|" * (len(MODEL_IMPLS) + 2)]
-        for m, t in sorted({(k[0], k[1]) for k in models}, key=lambda x: (x[0] != "resnet50", x[1])):
-            cells = [gbs(models[(m, t, i)]["bw"]) if (m, t, i) in models else "-" for i in MODEL_IMPLS]
-            v, fl = models.get((m, t, "gradavg_vars")), models.get((m, t, "gradavg_flat"))
-            cells.append(f"{v['seconds'] / fl['seconds']:.2f}" if (v and fl) else "-")
-            cells.append(gbs(mcopy[m]["bw"]) if m in mcopy else "-")
-            lines.append(f"| {m} | {t} | " + " | ".join(cells) + " |")
+                  "size. `<impl> vars/flat`: the time ratio, with the per-variable overhead in "
+                  "percent (above 1 / +: the variable list costs time). Threaded eigen splits the "
+                  "flat element range as gradavg does. copy, copy_nt: over the flat total.", "",
+                  "| model | T | threads | " + " | ".join(MODEL_IMPLS) + " | " +
+                  " | ".join(f"{i} vars/flat" for i in MODEL_PAIRS) + " | " + " | ".join(MODEL_COPIES) + " |",
+                  "|---|---:|---:|" + "---:|" * (len(MODEL_IMPLS) + len(MODEL_PAIRS) + len(MODEL_COPIES))]
+        rows = sorted({k[:3] for k in models}, key=lambda x: (x[0] != "resnet50", x[0], x[1], x[2]))
+        for m, t, threads in rows:
+            cells = [gbs(r["bw"]) if (r := models.get((m, t, threads, i))) else "-" for i in MODEL_IMPLS]
+            for i in MODEL_PAIRS:
+                v, fl = models.get((m, t, threads, i + "_vars")), models.get((m, t, threads, i + "_flat"))
+                if v and fl:
+                    x = v["seconds"] / fl["seconds"]
+                    cells.append(f"{x:.2f} ({x - 1:+.0%})")
+                else:
+                    cells.append("-")
+            cells += [gbs(r["bw"]) if (r := mcopy.get((m, threads, c))) else "-" for c in MODEL_COPIES]
+            lines.append(f"| {m} | {t} | {threads} | " + " | ".join(cells) + " |")
 
     if errors:
         lines += ["", "## Errors", ""]
         for r in errors:
-            what = "/".join(str(r.get(k)) for k in ("family", "dtype", "impl", "T", "P") if k in r)
+            what = "/".join(str(r.get(k)) for k in ("family", "model", "dtype", "impl", "T", "P", "threads")
+                            if k in r)
             lines.append(f"- `{what}`: {r['error']}")
 
     path.write_text("\n".join(lines) + "\n")
@@ -224,47 +380,62 @@ def plot(path, recs):
               "(on Debian: apt install python3-matplotlib, run with /usr/bin/python3)", file=sys.stderr)
         return
 
-    grid = {(r["dtype"], r["family"], r["T"], r["P"], r["impl"]): r["bw"]
-            for r in recs if "error" not in r and r["family"] != "limit"}
-    limits = {(r["dtype"], r["P"], r["impl"]): r["bw"]
-              for r in recs if "error" not in r and r["family"] == "limit"}
-    towers = sorted({k[2] for k in grid if k[0] == "float"})
-    ops = ["mean", "mean_sq"]
+    g = Grid(recs)
+    runs = {k: r["bw"] for k, r in g.runs.items() if k[0] == "float"}
+    limits = {k: r["bw"] for k, r in g.limits.items() if k[0] == "float"}
+    towers = sorted({k[2] for k in runs})
+    threads_all = sorted({k[4] for k in runs})
+    ops = [o for o in ("mean", "mean_sq") if any(k[1] == o for k in runs)]
     if not towers:
         print("nothing to plot")
         return
-    fig, axes = plt.subplots(len(ops), len(towers), figsize=(3.6 * len(towers), 3.4 * len(ops)),
+    # One row per (op, thread count), one column per T: each panel has every implementation and
+    # the limits at that thread count.
+    panels = [(o, n) for o in ops for n in threads_all]
+    fig, axes = plt.subplots(len(panels), len(towers), figsize=(3.6 * len(towers), 3.0 * len(panels)),
                              sharex=True, sharey=True, squeeze=False)
     styles = {"gradavg": dict(color="C3", lw=2.2, marker="o"),
+              "gradavg_nt": dict(color="C4", lw=2.2, marker="v"),
               "eigen_per_tower": dict(color="C0", marker="s"),
               "stacked_tensor": dict(color="C2", marker="^"),
               "onednn_sum": dict(color="C1", marker="D")}
-    for row, o in enumerate(ops):
+    limit_styles = {"copy": dict(color="k", ls="--"),
+                    "copy_nt": dict(color="0.55", ls="--"),
+                    "memcpy": dict(color="C5", ls="--"),
+                    "sum": dict(color="k", ls=":")}
+    sizes = sorted({k[3] for k in runs})
+    for row, (o, n) in enumerate(panels):
         for col, t in enumerate(towers):
             ax = axes[row][col]
             for impl in IMPLS:
-                pts = sorted((k[3], v) for k, v in grid.items() if k[:3] == ("float", o, t) and k[4] == impl)
+                pts = sorted((k[3], v) for k, v in runs.items() if k[1:3] == (o, t) and k[4] == n and k[5] == impl)
                 if pts:
                     ax.plot([p for p, _ in pts], [v / 1e9 for _, v in pts], label=impl, **styles[impl])
-            for lim, ls in (("copy", "--"), ("sum", ":")):
-                pts = sorted((k[1], v) for k, v in limits.items() if k[0] == "float" and k[2] == lim)
+            for lim in LIMITS:
+                pts = sorted((k[1], v) for k, v in limits.items() if k[2] == n and k[3] == lim)
                 if pts:
-                    ax.plot([p for p, _ in pts], [v / 1e9 for _, v in pts], color="k", ls=ls, lw=1,
-                            label=f"limit: {lim}")
+                    ax.plot([p for p, _ in pts], [v / 1e9 for _, v in pts], lw=1, label=f"limit: {lim}",
+                            **limit_styles[lim])
             ax.set_xscale("log", base=2)
-            ax.set_xticks([p for p in sorted({k[3] for k in grid})])
-            ax.set_xticklabels([size_label(p) for p in sorted({k[3] for k in grid})])
-            ax.set_title(f"{o}, T={t}", fontsize=10)
+            ax.set_xticks(sizes)
+            ax.set_xticklabels([size_label(p) for p in sizes])
+            ax.set_title(f"{o}, T={t}, {n} thread{'s' if n != 1 else ''}", fontsize=10)
             ax.grid(True, alpha=0.3)
             if col == 0:
-                ax.set_ylabel("GB/s (STREAM-style credit)")
-            if row == len(ops) - 1:
+                ax.set_ylabel("GB/s (STREAM-style)")
+            if row == len(panels) - 1:
                 ax.set_xlabel("elements per tower P (float)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
-    fig.suptitle("Averaging gradients across towers: bandwidth, 1 thread, float", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    handles, labels = [], []
+    for ax in axes.flat:  # the union of every panel's lines, in first-seen order
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9)
+    fig.suptitle("Averaging gradients across towers: bandwidth, float (dashed: copy limits, dotted: sum)",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.04 + 0.012 * ((len(labels) + 4) // 5), 1, 0.98))
+    fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
 
@@ -282,8 +453,7 @@ def main():
         models_json = None
         if args.models_binary:
             models_json = str(json_dir / "bench_models.json")
-            run_binary(args.models_binary, models_json, args.min_time,
-                       "resnet50" if args.quick else None)
+            run_binary(args.models_binary, models_json, args.min_time, args.models_filter)
     ctx, recs = load(grid_json, args.clock)
     model_recs = load(models_json, args.clock)[1] if models_json and os.path.exists(models_json) else []
     write_table(out_dir / "bench_table.md", ctx, recs, model_recs, args)
