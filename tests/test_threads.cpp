@@ -1,6 +1,6 @@
 // Threads: results are bitwise identical for any thread count and executor; many small
-// variables share one fork/join. Built twice: without OpenMP (threads started per call) and,
-// when found, with OpenMP.
+// variables share one fork/join. Built twice: without OpenMP and, when found, with OpenMP,
+// where gradavg::openmp_executor is tested too.
 #include <gradavg/gradavg.hpp>
 
 #include <atomic>
@@ -80,7 +80,7 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
   gradavg::thread_pool pool(3);
   for (std::size_t threads : {1, 2, 3, 8}) {
     INFO("threads = " << threads);
-    const auto started = w.run({.threads = threads});  // OpenMP when built with it, else threads per call
+    const auto started = w.run({.threads = threads});  // threads started for the call
     CHECK(bitwise_equal(started.first, serial.first));
     CHECK(bitwise_equal(started.second, serial.second));
     const auto pooled = w.run({.threads = threads, .pool = &pool});
@@ -90,6 +90,12 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
     const auto counted = w.run({.threads = threads, .pool = &counting});
     CHECK(bitwise_equal(counted.first, serial.first));
     CHECK(counting.tasks == (threads == 1 ? 0u : threads));
+#if defined(_OPENMP)
+    gradavg::openmp_executor omp;
+    const auto with_omp = w.run({.threads = threads, .pool = &omp});
+    CHECK(bitwise_equal(with_omp.first, serial.first));
+    CHECK(bitwise_equal(with_omp.second, serial.second));
+#endif
   }
   const auto all = w.run({.threads = 0, .pool = &pool});
   CHECK(bitwise_equal(all.first, serial.first));

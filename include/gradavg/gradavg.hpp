@@ -11,3 +11,6 @@
 #include "average.hpp"   // average_gradients, average_gradients_into
 #include "eigen.hpp"     // Eigen Matrix, Array, Map, Ref
 #include "eigen_tensor.hpp"  // Eigen::Tensor, Eigen::TensorMap
+#if defined(_OPENMP)
+#include "openmp.hpp"    // openmp_executor: only where compiled with OpenMP
+#endif

@@ -38,8 +38,7 @@ struct options {
   /// read again at once. Results are identical either way.
   bool streaming_stores = false;
 
-  /// Where threaded work runs; not owned. Null: OpenMP when compiled with it, else threads
-  /// started for the call.
+  /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
   executor* pool = nullptr;
 };
 

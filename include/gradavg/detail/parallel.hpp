@@ -23,14 +23,6 @@ inline std::size_t chunk_count(std::size_t total, const options& opts) noexcept 
   return std::max<std::size_t>(1, std::min(threads, worth));
 }
 
-// The body differs with OpenMP; the inline namespace keeps translation units built with and
-// without it from sharing one (differing) definition.
-#if defined(_OPENMP)
-inline namespace with_openmp {
-#else
-inline namespace without_openmp {
-#endif
-
 /// Calls chunk(c) once for each c in [0, chunks), concurrently where options allow, and returns
 /// when all have returned. Never throws once a chunk has started: if threads cannot be started,
 /// the caller runs their chunks itself.
@@ -44,11 +36,6 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
     opts.pool->parallel_for(chunks, task_ref(chunk));
     return;
   }
-#if defined(_OPENMP)
-  const auto n = static_cast<long long>(chunks);
-#pragma omp parallel for schedule(static) num_threads(static_cast<int>(chunks))
-  for (long long c = 0; c < n; ++c) chunk(static_cast<std::size_t>(c));
-#else
   std::vector<std::jthread> started;
   std::size_t first_unstarted = chunks;
   try {
@@ -64,8 +51,6 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
   chunk(0);
   for (std::size_t c = first_unstarted; c < chunks; ++c) chunk(c);
   // started threads join here
-#endif
 }
 
-}  // namespace with_openmp / without_openmp
 }  // namespace gradavg::detail
