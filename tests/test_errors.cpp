@@ -8,35 +8,22 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "support.hpp"
 
 namespace {
 
-using grads = std::vector<float>;
-using entry = std::pair<grads*, std::string>;
-using tower = std::vector<entry>;
-
-/// Runs f, requires it to throw E, and returns the message.
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    FAIL("threw the wrong exception type: " << e.what());
-  }
-  FAIL("did not throw");
-  return {};
-}
+using gradavg_test::contains;
+using gradavg_test::message_of;
 
 struct printable_var {
   std::string name;
   friend std::ostream& operator<<(std::ostream& os, const printable_var& v) { return os << v.name; }
 };
 
-bool contains(const std::string& haystack, const std::string& needle) {
-  return haystack.find(needle) != std::string::npos;
-}
+
+using grads = std::vector<float>;
+using entry = std::pair<grads*, std::string>;
+using tower = std::vector<entry>;
 
 /// Three towers, three variables; outputs pre-filled with a sentinel.
 struct fixture {

@@ -181,11 +181,16 @@ auto output_data(Slot&& s) {
 }
 
 template <class R>
-concept output_range = std::ranges::random_access_range<R> && std::ranges::sized_range<R> &&
-                       slot<output_slot_t<R>> && requires(std::ranges::range_reference_t<R> s) { output_data(s); };
-
-template <class R>
 using output_tensor_t = std::remove_cvref_t<decltype(slot_get(std::declval<std::ranges::range_reference_t<R>>()))>;
+
+/// A range with one output slot per variable, each giving write access to a tensor (a const
+/// range of Eigen maps, say, does not).
+template <class R>
+concept output_range =
+    std::ranges::random_access_range<R> && std::ranges::sized_range<R> && slot<output_slot_t<R>> &&
+    requires(std::ranges::range_reference_t<R> s) {
+      { tensor_traits<output_tensor_t<R>>::mutable_data(slot_get(s)) } -> std::same_as<tensor_value_t<output_tensor_t<R>>*>;
+    };
 
 /// Checks one output range (what = "means" or "squares") against validated tower_grads.
 template <class TG, class Outputs>
