@@ -31,35 +31,12 @@ struct gradavg_setup {
   gradavg::options opts;  // defaults otherwise: what a user gets without tuning
 };
 
+/// Variable v of tower t is the sizes[v] values at towers[t] + offsets[v] (see var_problem);
+/// one variable at offset 0 is the grid's single-tensor problem.
 template <class S>
 class gradavg_runner final : public runner {
  public:
-  gradavg_runner(const problem<S>& p, bool streaming)
-      : setup_(p.threads, streaming), means_{{p.mean, p.elements}} {
-    grads_.resize(p.towers.size());
-    for (std::size_t t = 0; t < p.towers.size(); ++t)
-      grads_[t].emplace_back(std::span<const S>(p.towers[t], p.elements), 0);
-    if (p.sq != nullptr) squares_.emplace_back(p.sq, p.elements);
-  }
-
-  void run() override {
-    last_ = squares_.empty() ? gradavg::average_gradients_into(grads_, means_, setup_.opts)
-                             : gradavg::average_gradients_into(grads_, means_, squares_, setup_.opts);
-  }
-
- private:
-  gradavg_setup setup_;
-  std::vector<std::vector<std::pair<std::span<const S>, int>>> grads_;
-  std::vector<std::span<S>> means_, squares_;
-  gradavg::summary last_;
-};
-
-/// Variable id = index in the model's parameter list; each tower lists the same variables in
-/// the same order, as a framework's (gradient, variable) list does.
-template <class S>
-class gradavg_vars_runner final : public runner {
- public:
-  gradavg_vars_runner(const var_problem<S>& p, bool streaming) : setup_(p.threads, streaming) {
+  gradavg_runner(const var_problem<S>& p, bool streaming) : setup_(p.threads, streaming) {
     const std::size_t vars = p.offsets.size();
     grads_.resize(p.towers.size());
     for (std::size_t t = 0; t < p.towers.size(); ++t) {
@@ -86,26 +63,35 @@ class gradavg_vars_runner final : public runner {
   gradavg::summary last_;
 };
 
+/// The grid's problem as a var_problem of one variable.
+template <class S>
+std::unique_ptr<runner> make_single(const problem<S>& p, bool streaming) {
+  const std::size_t offset = 0;
+  const var_problem<S> vp{p.towers, std::span<const std::size_t>(&offset, 1),
+                          std::span<const std::size_t>(&p.elements, 1), p.mean, p.sq, p.threads};
+  return std::make_unique<gradavg_runner<S>>(vp, streaming);
+}
+
 }  // namespace
 
 template <class S>
 std::unique_ptr<runner> make_gradavg(const problem<S>& p) {
-  return std::make_unique<gradavg_runner<S>>(p, false);
+  return make_single(p, false);
 }
 
 template <class S>
 std::unique_ptr<runner> make_gradavg_nt(const problem<S>& p) {
-  return std::make_unique<gradavg_runner<S>>(p, true);
+  return make_single(p, true);
 }
 
 template <class S>
 std::unique_ptr<runner> make_gradavg_vars(const var_problem<S>& p) {
-  return std::make_unique<gradavg_vars_runner<S>>(p, false);
+  return std::make_unique<gradavg_runner<S>>(p, false);
 }
 
 template <class S>
 std::unique_ptr<runner> make_gradavg_nt_vars(const var_problem<S>& p) {
-  return std::make_unique<gradavg_vars_runner<S>>(p, true);
+  return std::make_unique<gradavg_runner<S>>(p, true);
 }
 
 template std::unique_ptr<runner> make_gradavg<float>(const problem<float>&);

@@ -1,8 +1,10 @@
-// Test helpers shared by the test files: exceptions and their messages, and buffers with
-// guarded surroundings for checking that nothing is written out of bounds.
+// Test helpers shared by the test files: exceptions and their messages, buffers with guarded
+// surroundings for checking that nothing is written out of bounds, and checks of results
+// against the reference.
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <ostream>
@@ -10,8 +12,15 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "reference.hpp"
 
 namespace gradavg_test {
+
+/// Whether n values at a and b are the same bit for bit (memcmp, which may not take null).
+template <class S>
+bool same_bits(const S* a, const S* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(S)) == 0;
+}
 
 inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
@@ -72,5 +81,30 @@ class buffer {
   std::vector<S> storage_;
   S* data_ = nullptr;
 };
+
+/// What one variable's outputs must be: the reference and the magnitudes errors are relative to.
+template <class S>
+struct expectation {
+  gradavg_test::reference<S> ref;
+  std::vector<double> mean_scale;
+  std::vector<double> square_scale;
+
+  expectation(const std::vector<const S*>& towers, std::size_t n)
+      : ref(towers, n),
+        mean_scale(gradavg_test::magnitude<S>(towers, n, false)),
+        square_scale(gradavg_test::magnitude<S>(towers, n, true)) {}
+};
+
+/// Requires got[0..n) to match the reference of a variable (its means, or its mean squares).
+template <class S>
+void require_matches(const S* got, const expectation<S>& e, std::size_t towers, bool squares, const std::string& what) {
+  const std::vector<double>& want = squares ? e.ref.square : e.ref.mean;
+  const std::size_t n = want.size();
+  const std::size_t bad =
+      gradavg_test::first_mismatch<S>(got, want, squares ? e.square_scale : e.mean_scale, towers);
+  INFO(what << (squares ? ": mean of squares" : ": mean") << ", first mismatch at element " << bad << " of " << n
+            << (bad < n ? ": got " + std::to_string(got[bad]) + ", want " + std::to_string(want[bad]) : std::string()));
+  REQUIRE(bad == n);
+}
 
 }  // namespace gradavg_test

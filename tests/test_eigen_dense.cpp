@@ -34,7 +34,9 @@ namespace {
 
 using gradavg_test::buffer;
 using gradavg_test::contains;
+using gradavg_test::expectation;
 using gradavg_test::message_of;
+using gradavg_test::require_matches;
 
 using Eigen::Index;
 
@@ -86,31 +88,6 @@ std::uint32_t seed_of(std::size_t n, std::size_t towers, std::size_t offset, std
 
 template <class S>
 constexpr S sentinel = S(-1234.5);
-
-/// What one variable's outputs must be: the reference and the magnitudes errors are relative to.
-template <class S>
-struct expectation {
-  gradavg_test::reference<S> ref;
-  std::vector<double> mean_scale;
-  std::vector<double> square_scale;
-
-  expectation(const std::vector<const S*>& towers, std::size_t n)
-      : ref(towers, n),
-        mean_scale(gradavg_test::magnitude<S>(towers, n, false)),
-        square_scale(gradavg_test::magnitude<S>(towers, n, true)) {}
-};
-
-/// Requires got[0..n) to match the reference of a variable (its means, or its mean squares).
-template <class S>
-void require_matches(const S* got, const expectation<S>& e, std::size_t towers, bool squares, const std::string& what) {
-  const std::vector<double>& want = squares ? e.ref.square : e.ref.mean;
-  const std::size_t n = want.size();
-  const std::size_t bad =
-      gradavg_test::first_mismatch<S>(got, want, squares ? e.square_scale : e.mean_scale, towers);
-  INFO(what << (squares ? ": mean of squares" : ": mean") << ", first mismatch at element " << bad << " of " << n
-            << (bad < n ? ": got " + std::to_string(got[bad]) + ", want " + std::to_string(want[bad]) : std::string()));
-  REQUIRE(bad == n);
-}
 
 /// n consecutive values of a fixed pool of random values in [-1, 1] (reference.hpp's
 /// random_values), starting at a position drawn from seed: cheaper than seeding a generator for

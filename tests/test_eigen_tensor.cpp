@@ -37,7 +37,9 @@ namespace {
 
 using gradavg_test::buffer;
 using gradavg_test::contains;
+using gradavg_test::expectation;
 using gradavg_test::message_of;
+using gradavg_test::require_matches;
 
 using Eigen::Index;
 
@@ -88,30 +90,6 @@ const S* random_slice(std::size_t n, std::uint32_t seed) {
   REQUIRE(n <= pool.size());
   const std::uint64_t h = (std::uint64_t{seed} + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
   return pool.data() + (h >> 32) % (pool.size() - n + 1);
-}
-
-/// What one variable's outputs must be: the reference and the magnitudes errors are relative to.
-template <class S>
-struct expectation {
-  gradavg_test::reference<S> ref;
-  std::vector<double> mean_scale;
-  std::vector<double> square_scale;
-
-  expectation(const std::vector<const S*>& towers, std::size_t n)
-      : ref(towers, n),
-        mean_scale(gradavg_test::magnitude<S>(towers, n, false)),
-        square_scale(gradavg_test::magnitude<S>(towers, n, true)) {}
-};
-
-template <class S>
-void require_matches(const S* got, const expectation<S>& e, std::size_t towers, bool squares, const std::string& what) {
-  const std::vector<double>& want = squares ? e.ref.square : e.ref.mean;
-  const std::size_t n = want.size();
-  const std::size_t bad =
-      gradavg_test::first_mismatch<S>(got, want, squares ? e.square_scale : e.mean_scale, towers);
-  INFO(what << (squares ? ": mean of squares" : ": mean") << ", first mismatch at element " << bad << " of " << n
-            << (bad < n ? ": got " + std::to_string(got[bad]) + ", want " + std::to_string(want[bad]) : std::string()));
-  REQUIRE(bad == n);
 }
 
 /// T towers of variables with the given rank-R shapes, filled with random values in [-1, 1].

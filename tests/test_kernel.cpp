@@ -3,13 +3,13 @@
 // and, bit for bit, with each other.
 #include <gradavg/gradavg.hpp>
 
-#include <cstring>
 #include <span>
 #include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "reference.hpp"
+#include "support.hpp"
 
 TEMPLATE_TEST_CASE("every kernel path gives the same bits, within tolerance of the reference", "", float, double) {
   using S = TestType;
@@ -46,8 +46,8 @@ TEMPLATE_TEST_CASE("every kernel path gives the same bits, within tolerance of t
       std::vector<std::span<S>> m{std::span<S>(mean_storage.data() + offset, n)};
       std::vector<std::span<S>> q{std::span<S>(square_storage.data() + (offset + 1) % 4, n)};
       gradavg::average_gradients_into(tg, m, q, {.streaming_stores = streaming});
-      CHECK(std::memcmp(m[0].data(), base_mean.data(), n * sizeof(S)) == 0);
-      CHECK(std::memcmp(q[0].data(), base_square.data(), n * sizeof(S)) == 0);
+      CHECK(gradavg_test::same_bits(m[0].data(), base_mean.data(), n));
+      CHECK(gradavg_test::same_bits(q[0].data(), base_square.data(), n));
       CHECK(mean_storage[offset + n] == S(-1));  // nothing written past the end
       if (offset > 0) CHECK(mean_storage[offset - 1] == S(-1));
     }

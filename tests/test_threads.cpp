@@ -4,13 +4,13 @@
 #include <gradavg/gradavg.hpp>
 
 #include <atomic>
-#include <cstring>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "reference.hpp"
+#include "support.hpp"
 
 namespace {
 
@@ -43,8 +43,7 @@ struct workload {
 bool bitwise_equal(const std::vector<grads>& a, const std::vector<grads>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) != 0)
-      return false;
+    if (a[i].size() != b[i].size() || !gradavg_test::same_bits(a[i].data(), b[i].data(), a[i].size())) return false;
   return true;
 }
 
