@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -105,6 +106,20 @@ void require_matches(const S* got, const expectation<S>& e, std::size_t towers, 
   INFO(what << (squares ? ": mean of squares" : ": mean") << ", first mismatch at element " << bad << " of " << n
             << (bad < n ? ": got " + std::to_string(got[bad]) + ", want " + std::to_string(want[bad]) : std::string()));
   REQUIRE(bad == n);
+}
+
+template <class S>
+constexpr S sentinel = S(-1234.5);
+
+/// n consecutive values of a fixed pool of random values in [-1, 1] (reference.hpp's
+/// random_values), starting at a position drawn from seed: cheaper than seeding a generator for
+/// every tower of every variable, and just as good for these tests.
+template <class S>
+const S* random_slice(std::size_t n, std::uint32_t seed) {
+  static const std::vector<S> pool = gradavg_test::random_values<S>(std::size_t{1} << 16, 20240229u);
+  REQUIRE(n <= pool.size());
+  const std::uint64_t h = (std::uint64_t{seed} + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
+  return pool.data() + (h >> 32) % (pool.size() - n + 1);
 }
 
 }  // namespace gradavg_test

@@ -34,8 +34,10 @@ namespace {
 
 using gradavg_test::buffer;
 using gradavg_test::contains;
+using gradavg_test::sentinel;
 using gradavg_test::expectation;
 using gradavg_test::message_of;
+using gradavg_test::random_slice;
 using gradavg_test::require_matches;
 
 using Eigen::Index;
@@ -84,20 +86,6 @@ dims matrix_shape(std::size_t n) {
 
 std::uint32_t seed_of(std::size_t n, std::size_t towers, std::size_t offset, std::size_t salt) {
   return static_cast<std::uint32_t>(n * 7919u + towers * 131u + offset * 17u + salt * 1000003u);
-}
-
-template <class S>
-constexpr S sentinel = S(-1234.5);
-
-/// n consecutive values of a fixed pool of random values in [-1, 1] (reference.hpp's
-/// random_values), starting at a position drawn from seed: cheaper than seeding a generator for
-/// every tower of every variable, and just as good for these tests.
-template <class S>
-const S* random_slice(std::size_t n, std::uint32_t seed) {
-  static const std::vector<S> pool = gradavg_test::random_values<S>(std::size_t{1} << 16, 20240229u);
-  REQUIRE(n <= pool.size());
-  const std::uint64_t h = (std::uint64_t{seed} + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
-  return pool.data() + (h >> 32) % (pool.size() - n + 1);
 }
 
 /// T towers of V variables with the given shapes, filled with random values in [-1, 1]. Tower k's

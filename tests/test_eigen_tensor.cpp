@@ -37,8 +37,10 @@ namespace {
 
 using gradavg_test::buffer;
 using gradavg_test::contains;
+using gradavg_test::sentinel;
 using gradavg_test::expectation;
 using gradavg_test::message_of;
+using gradavg_test::random_slice;
 using gradavg_test::require_matches;
 
 using Eigen::Index;
@@ -78,19 +80,6 @@ std::vector<dims<R>> sweep_shapes() {
 
 constexpr std::size_t tower_counts[] = {1, 2, 3, 8, 33};
 constexpr std::size_t offsets = 4;  // maps start 0..3 elements past a 64-byte boundary
-
-template <class S>
-constexpr S sentinel = S(-1234.5);
-
-/// n consecutive values of a fixed pool of random values in [-1, 1] (reference.hpp's
-/// random_values), starting at a position drawn from seed.
-template <class S>
-const S* random_slice(std::size_t n, std::uint32_t seed) {
-  static const std::vector<S> pool = gradavg_test::random_values<S>(std::size_t{1} << 16, 20240301u);
-  REQUIRE(n <= pool.size());
-  const std::uint64_t h = (std::uint64_t{seed} + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
-  return pool.data() + (h >> 32) % (pool.size() - n + 1);
-}
 
 /// T towers of variables with the given rank-R shapes, filled with random values in [-1, 1].
 /// Tower k's variable i starts (offset + k + 2i) % 4 elements past a 64-byte boundary.

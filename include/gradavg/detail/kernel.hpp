@@ -111,7 +111,7 @@ inline void streaming_fence() noexcept {
 #endif
 }
 
-/// Where a group's sums come from and go: From = the accumulator block is added first;
+/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
 /// ToOut = the group is the last, so results are divided by T and stored to the outputs.
 template <class S, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
 struct group_pass {
