@@ -59,7 +59,8 @@ inline constexpr std::size_t group_towers = 16;
 template <class Acc>
 inline constexpr std::size_t block_elements = 4096 / sizeof(Acc);
 
-/// Split points that keep chunks of one variable on whole cache lines of its elements.
+/// Threads split the flat range of all elements at multiples of this: chunk boundaries stay away
+/// from sharing a cache line within a variable that starts on one. Results never depend on it.
 template <class S>
 constexpr std::size_t split_granularity() noexcept {
   return block_elements<accumulator_t<S>>;
