@@ -9,9 +9,7 @@
 #include <span>
 #include <string>
 #include <type_traits>
-#include <typeindex>
 #include <utility>
-#include <variant>
 #include <vector>
 
 #include "common.hpp"
@@ -19,6 +17,7 @@
 #include "limits.hpp"
 #include "parallel.hpp"
 #include "peers.hpp"
+#include "towers.hpp"
 
 #ifndef GRADAVG_BENCH_NO_GRADAVG
 #include <gradavg/version.hpp>
@@ -26,44 +25,6 @@
 
 namespace gradavg_bench {
 namespace {
-
-// ---- Tower data: one set of towers at a time, regenerated when the type or P changes. -------
-
-/// Tower t always holds the same values for a given (type, P), whatever T a benchmark uses, so
-/// the T-sweep reads a prefix of one set. Registration order keeps (type, P) runs contiguous.
-/// Pointers returned stay valid until a call with another type or P.
-class tower_cache {
- public:
-  template <class S>
-  std::vector<const S*> get(std::size_t towers, std::size_t elements) {
-    if (type_ != std::type_index(typeid(S)) || elements_ != elements) {
-      data_ = std::monostate{};  // free the old set before allocating the new one
-      data_ = std::vector<aligned_buffer<S>>{};
-      type_ = std::type_index(typeid(S));
-      elements_ = elements;
-    }
-    auto& set = std::get<std::vector<aligned_buffer<S>>>(data_);
-    while (set.size() < towers) {
-      set.emplace_back(elements);
-      fill_uniform(set.back().span(), static_cast<std::uint32_t>(1000 + set.size()));
-    }
-    std::vector<const S*> out;
-    for (std::size_t t = 0; t < towers; ++t) out.push_back(set[t].data());
-    return out;
-  }
-
- private:
-  std::type_index type_ = std::type_index(typeid(void));
-  std::size_t elements_ = 0;
-  std::variant<std::monostate, std::vector<aligned_buffer<float>>,
-               std::vector<aligned_buffer<double>>>
-      data_;
-};
-
-tower_cache& towers_cache() {
-  static tower_cache c;
-  return c;
-}
 
 std::string grid_suffix(std::size_t elements, int threads) {
   return "/P:" + std::to_string(elements) + "/threads:" + std::to_string(threads);

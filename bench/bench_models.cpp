@@ -1,20 +1,13 @@
 // Model-shaped benchmark: mean + mean of squares over the parameter lists of ResNet-50 (161
 // tensors) and BERT-base (199 tensors), float, T = 4 and 8, threads 1 and all cores, against the
-// same number of values as one flat buffer, so that per-variable overhead shows.
-//
-// Each tower is one 64-byte aligned buffer; variable v is a slice of it starting at a 64-byte
-// boundary (padding between slices is never read). The "flat" runs average the first
-// total-params values of the same buffers, so both read the same amount of memory and credit
-// the same bytes: (T+2) * total * sizeof(float).
+// same number of values as one flat buffer, so that per-variable overhead shows. The data layout
+// is model_data.hpp's: both layouts read the same amount of memory and credit the same bytes,
+// (T+2) * total * sizeof(float). bench_paired measures the same pairs by alternation.
 //
 // Names: model/<model>/float/<impl>/T:<T>/threads:<n>, impl in {gradavg_vars, gradavg_flat,
 // gradavg_nt_vars, gradavg_nt_flat, eigen_vars, eigen_flat}, plus the copy limits
 // model/<model>/float/{copy,copy_nt}/P:<total>/threads:<n> (2*total*4 bytes).
-//
-// Memory: a model's towers and outputs take (T+2) * total * 4 bytes (BERT-base at T=8: 4.4 GB).
 // Runs that would need more than GRADAVG_BENCH_MAX_GIB (environment, default 8) are skipped.
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -24,6 +17,7 @@
 #include "common.hpp"
 #include "harness.hpp"
 #include "limits.hpp"
+#include "model_data.hpp"
 #include "model_shapes.hpp"
 #include "parallel.hpp"
 #include "peers.hpp"
@@ -31,62 +25,7 @@
 namespace gradavg_bench {
 namespace {
 
-using S = float;
-constexpr std::size_t pad = aligned_buffer<S>::alignment / sizeof(S);
-
-double memory_limit_bytes() {
-  double gib = 8;
-  if (const char* env = std::getenv("GRADAVG_BENCH_MAX_GIB")) gib = std::atof(env);
-  return gib * 1024 * 1024 * 1024;
-}
-
-/// One model's towers and outputs; kept while consecutive benchmarks use the same model.
-struct model_data {
-  std::string model;
-  std::vector<std::size_t> offsets, sizes;
-  std::size_t total = 0;   ///< parameters
-  std::size_t padded = 0;  ///< elements per tower buffer, slices padded to 64 bytes
-  std::vector<aligned_buffer<S>> towers;
-  aligned_buffer<S> mean, sq;
-};
-
-/// The data of model m with at least `towers` towers. Tower t holds the same values whatever T
-/// asks for it; pointers stay valid until a call for another model.
-model_data& get_model(const model_shapes& m, std::size_t towers) {
-  static std::unique_ptr<model_data> cache;
-  if (!cache || cache->model != m.name) {
-    cache.reset();  // free the previous model first
-    auto d = std::make_unique<model_data>();
-    d->model = m.name;
-    for (const param_shape& s : m.params) {
-      d->offsets.push_back(d->padded);
-      d->sizes.push_back(s.size());
-      d->total += s.size();
-      d->padded += (s.size() + pad - 1) / pad * pad;
-    }
-    cache = std::move(d);
-  }
-  model_data& d = *cache;
-  const double need = static_cast<double>(towers + 2) * static_cast<double>(d.padded) * sizeof(S);
-  if (need > memory_limit_bytes())
-    throw std::runtime_error("needs " + std::to_string(need / (1 << 30)) +
-                             " GiB > GRADAVG_BENCH_MAX_GIB");
-  if (d.mean.size() == 0) {
-    d.mean = aligned_buffer<S>(d.padded);
-    d.sq = aligned_buffer<S>(d.padded);
-  }
-  while (d.towers.size() < towers) {
-    d.towers.emplace_back(d.padded);
-    fill_uniform(d.towers.back().span(), static_cast<std::uint32_t>(2000 + d.towers.size()));
-  }
-  return d;
-}
-
-std::vector<const S*> tower_ptrs(const model_data& d, std::size_t towers) {
-  std::vector<const S*> out;
-  for (std::size_t t = 0; t < towers; ++t) out.push_back(d.towers[t].data());
-  return out;
-}
+using S = model_value;
 
 enum class layout { vars, flat };
 
@@ -98,34 +37,16 @@ using flat_factory = std::unique_ptr<runner> (*)(const problem<S>&);
 void build_model(prepared& p, const model_shapes& m, std::size_t towers, int threads, layout l,
                  var_factory make_vars, flat_factory make_flat) {
   model_data& d = get_model(m, towers);
-  const auto& ptrs = p.hold<std::vector<const S*>>(tower_ptrs(d, towers));
+  const auto& ptrs = p.hold<std::vector<const S*>>(d.tower_ptrs(towers));
   p.sink = d.mean.data();
   poison(d.mean.span());
   poison(d.sq.span());
   if (l == layout::vars) {
-    var_problem<S> vp;
-    vp.towers = ptrs;
-    vp.offsets = d.offsets;
-    vp.sizes = d.sizes;
-    vp.mean = d.mean.data();
-    vp.sq = d.sq.data();
-    vp.threads = threads;
-    p.kernel = make_vars(vp);
+    p.kernel = make_vars(vars_problem(d, ptrs, threads));
     p.kernel->run();
-    for (std::size_t v = 0; v < d.offsets.size() && p.error.empty(); ++v) {
-      const std::size_t off = d.offsets[v];
-      p.error = check_against_reference<S>(ptrs, off, d.sizes[v], d.mean.data() + off,
-                                           d.sq.data() + off);
-      if (!p.error.empty()) p.error = m.params[v].name + ": " + p.error;
-    }
+    p.error = check_vars(m, d, ptrs);
   } else {
-    problem<S> fp;
-    fp.towers = ptrs;
-    fp.elements = d.total;
-    fp.mean = d.mean.data();
-    fp.sq = d.sq.data();
-    fp.threads = threads;
-    p.kernel = make_flat(fp);
+    p.kernel = make_flat(flat_problem(d, ptrs, threads));
     p.kernel->run();
     p.error = check_against_reference<S>(ptrs, 0, d.total, d.mean.data(), d.sq.data());
   }
@@ -190,17 +111,6 @@ void register_model(const model_shapes& m, const std::vector<std::size_t>& tower
                             build_model(p, m, towers, threads, i.l, i.vars, i.flat);
                           });
     }
-  }
-}
-
-/// Aborts on a shape list that does not add up to the published counts.
-void check_counts(const model_shapes& m) {
-  std::size_t total = 0;
-  for (const param_shape& s : m.params) total += s.size();
-  if (m.params.size() != m.expected_tensors || total != m.expected_params) {
-    std::fprintf(stderr, "%s: %zu tensors, %zu params; expected %zu, %zu\n", m.name.c_str(),
-                 m.params.size(), total, m.expected_tensors, m.expected_params);
-    std::abort();
   }
 }
 

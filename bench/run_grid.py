@@ -3,9 +3,10 @@
 
 Usage:
   bench/run_grid.py --binary BUILD/bench/gradavg_bench [--models-binary BUILD/bench/gradavg_bench_models]
+                    [--paired-binary BUILD/bench/gradavg_bench_paired] [--paired-rounds N]
                     [--out-dir docs] [--json-dir BUILD/bench] [--quick] [--clock real|cpu]
-                    [--filter REGEX] [--models-filter REGEX] [--min-time SECONDS]
-  bench/run_grid.py --from-json BUILD/bench/bench_grid.json [--models-json ...]   # no rerun
+                    [--filter REGEX] [--models-filter REGEX] [--paired-filter REGEX] [--min-time SECONDS]
+  bench/run_grid.py --from-json BUILD/bench/bench_grid.json [--models-json ...] [--paired-json ...]  # no rerun
 
 The table has one row per (op, type, T, P, threads): the bandwidth of gradavg (default options)
 and gradavg_nt (streaming_stores), the faster of the two ("gradavg-best", named), each peer's
@@ -13,6 +14,9 @@ time divided by gradavg-best's (above 1: gradavg is faster), gradavg-best's band
 fraction of the ordinary-store copy and of the best of copy / copy_nt / memcpy at the same P and
 thread count, and for mean_sq the time of gradavg-best's mean_sq over its mean. A summary checks
 the targets at P = 16Mi. Bytes are credited STREAM-style (see bench/README.md).
+
+With the paired binary, the targets are first judged on its alternating rounds (every ratio a
+median of per-round ratios, so that bandwidth drift between runs cancels), then on the grid.
 """
 
 import argparse
@@ -43,6 +47,17 @@ TARGETS = [
     ("vs_stacked_tensor", "≥4× stacked_tensor", 4.0, True),
     ("sq_over_mean", "mean_sq ≤1.2× mean time", 1.2, False),
 ]
+# The same targets on the paired binary's counters: (counter after "<op>.", label, threshold,
+# at least); sq_over_mean is not per op.
+PAIRED_TARGETS = [
+    ("of.copy", "≥0.90 of copy", 0.90, True),
+    ("of.copy_nt", "≥0.90 of copy_nt", 0.90, True),
+    ("vs.onednn_sum", "≥1.3× onednn_sum", 1.3, True),
+    ("vs.eigen_per_tower", "≥2× eigen_per_tower", 2.0, True),
+    ("vs.stacked_tensor", "≥4× stacked_tensor", 4.0, True),
+    ("sq_over_mean", "mean_sq ≤1.2× mean time", 1.2, False),
+]
+MODEL_OVERHEAD_LIMIT = 1.05  # per-variable time / flat time
 
 
 def parse_args():
@@ -51,6 +66,13 @@ def parse_args():
     ap.add_argument("--models-binary", help="the gradavg_bench_models executable (optional)")
     ap.add_argument("--from-json", help="skip running: read this grid JSON instead")
     ap.add_argument("--models-json", help="with --from-json: the models JSON (optional)")
+    ap.add_argument("--paired-binary", help="the gradavg_bench_paired executable (optional)")
+    ap.add_argument("--paired-json", help="with --from-json: the paired JSON (optional)")
+    ap.add_argument("--paired-rounds", type=int, default=None,
+                    help="alternating rounds per paired point (default: the binary's, 11; quick 3)")
+    ap.add_argument("--paired-filter", default=None,
+                    help="--benchmark_filter for the paired binary (default: all; quick: P = 64Ki "
+                         "and ResNet-50)")
     ap.add_argument("--out-dir", default=str(pathlib.Path(__file__).resolve().parent.parent / "docs"),
                     help="where bench_table.md and bench_bandwidth.png go (default: docs/)")
     ap.add_argument("--json-dir", default=".", help="where the raw JSON results go (default: .)")
@@ -76,13 +98,18 @@ def parse_args():
         args.repetitions = 1
     if args.models_filter is None and args.quick:
         args.models_filter = "resnet50"
+    if args.quick:
+        if args.paired_rounds is None:
+            args.paired_rounds = 3
+        if args.paired_filter is None:
+            args.paired_filter = "P:65536|resnet50"
     return args
 
 
-def run_binary(binary, json_path, min_time, bench_filter, repetitions):
+def run_binary(binary, json_path, min_time, bench_filter, repetitions, extra=()):
     """Runs one benchmark binary; console output goes to the terminal, results to json_path."""
     # Google Benchmark 1.7 takes --benchmark_min_time as seconds (a double, no "s" suffix).
-    cmd = [binary, f"--benchmark_min_time={min_time}", f"--benchmark_out={json_path}",
+    cmd = [binary, *extra, f"--benchmark_min_time={min_time}", f"--benchmark_out={json_path}",
            "--benchmark_out_format=json", "--benchmark_counters_tabular=false"]
     if repetitions > 1:
         # Consecutive repetitions reuse the tower data; random interleaving would regenerate
@@ -108,6 +135,10 @@ def parse_name(name):
     rec.setdefault("threads", 1)
     if plain[0] == "model":
         rec.update(family="model", model=plain[1], dtype=plain[2], impl=plain[3])
+    elif plain[0] == "paired_model":
+        rec.update(family="paired_model", model=plain[1], dtype=plain[2], impl="paired")
+    elif plain[0] == "paired":
+        rec.update(family="paired", dtype=plain[1], impl="paired")
     else:
         rec.update(family=plain[0], dtype=plain[1], impl=plain[2])
     return rec
@@ -149,6 +180,32 @@ def load(json_path, clock):
     global REPETITIONS_SEEN
     REPETITIONS_SEEN = max([REPETITIONS_SEEN, *seen.values()])
     return data.get("context", {}), list(fastest.values())
+
+
+STANDARD_KEYS = {"name", "family_index", "per_family_instance_index", "run_name", "run_type",
+                 "repetitions", "repetition_index", "threads", "iterations", "real_time", "cpu_time",
+                 "time_unit", "error_occurred", "error_message", "aggregate_name", "aggregate_unit"}
+
+
+def load_paired(json_path):
+    """Reads the paired binary's JSON into [records]: the name's fields, "rounds", and the
+    counters under "c" (or "error")."""
+    with open(json_path) as f:
+        text = f.read()
+    if not text.strip():
+        return []
+    out = []
+    for b in json.loads(text).get("benchmarks", []):
+        if b.get("run_type", "iteration") != "iteration":
+            continue
+        rec = parse_name(b["name"])
+        rec["rounds"] = b.get("iterations")
+        if b.get("error_occurred"):
+            rec["error"] = b.get("error_message", "error")
+        else:
+            rec["c"] = {k: v for k, v in b.items() if k not in STANDARD_KEYS and isinstance(v, (int, float))}
+        out.append(rec)
+    return out
 
 
 def size_label(p):
@@ -246,7 +303,93 @@ def verdict(value, threshold, at_least):
     return f"{value:.2f} {'✓' if met else '✗'}"
 
 
-def write_table(path, ctx, recs, model_recs, args):
+def paired_sections(paired):
+    """The table's paired sections (a list of lines); errors are returned separately."""
+    points = [r for r in paired if r["family"] == "paired" and "c" in r]
+    models = [r for r in paired if r["family"] == "paired_model" and "c" in r]
+    rounds = sorted({r["rounds"] for r in paired if r.get("rounds")})
+    lines = []
+    if not points and not models:
+        return lines
+    order = lambda r: (r["dtype"] != "float", r["P"], r["threads"], r["T"])
+    rounds_text = "/".join(map(str, rounds)) or "?"
+    lines += [f"## Targets at P = {size_label(DRAM_P)} (DRAM), paired: median of {rounds_text} alternating rounds",
+              "",
+              "`gradavg_bench_paired`: each round runs every contender once (copy, copy_nt, gradavg, "
+              "gradavg_nt and the peers, mean and mean_sq) in a rotating order; each value is the median "
+              "over rounds of that round's ratio, so that the machine's bandwidth drifting between "
+              "runs moves both sides of a ratio alike. gradavg-best: the variant (nt or not) with the "
+              "lower median time, per op. `of copy_nt`: against the non-temporal-store copy, the "
+              "best copy at this size.",
+              ""]
+    dram = sorted((r for r in points if r["P"] == DRAM_P), key=order)
+    if dram:
+        lines += ["| type | op | T | threads | best | " + " | ".join(t[1] for t in PAIRED_TARGETS) + " |",
+                  "|---|---|---:|---:|---|" + "---:|" * len(PAIRED_TARGETS)]
+        tally = {t[0]: [0, 0] for t in PAIRED_TARGETS}
+        per_threads = {}
+        for r in dram:
+            for o in ("mean", "mean_sq"):
+                c = r["c"]
+                if f"{o}.best_nt" not in c:
+                    continue
+                cells = []
+                for col, _, thr, at_least in PAIRED_TARGETS:
+                    if col == "sq_over_mean":
+                        v = c.get(col) if o == "mean_sq" else None
+                    else:
+                        v = c.get(f"{o}.{col}")
+                    cells.append(verdict(v, thr, at_least))
+                    if v is not None:
+                        ok = (v >= thr) if at_least else (v <= thr)
+                        for t in (tally, per_threads.setdefault(r["threads"], {k[0]: [0, 0] for k in PAIRED_TARGETS})):
+                            t[col][1] += 1
+                            t[col][0] += ok
+                best = "gradavg_nt" if c[f"{o}.best_nt"] else "gradavg"
+                lines.append(f"| {r['dtype']} | {o} | {r['T']} | {r['threads']} | {best} | " + " | ".join(cells) + " |")
+        lines += ["", "Met: " + "; ".join(f"{label} {tally[col][0]}/{tally[col][1]}"
+                                          for col, label, _, _ in PAIRED_TARGETS) + "."]
+        for threads, t in sorted(per_threads.items()):
+            lines.append(f"At {threads} thread{'s' if threads != 1 else ''}: " +
+                         "; ".join(f"{label} {t[col][0]}/{t[col][1]}" for col, label, _, _ in PAIRED_TARGETS
+                                   if t[col][1]) + ".")
+        lines.append("")
+
+    if points:
+        lines += ["### Paired bandwidths (GB/s, median over rounds) and fractions of the copies", "",
+                  "| type | op | T | P | threads | gradavg | gradavg_nt | eigen_per_tower | stacked_tensor | "
+                  "onednn_sum | copy | copy_nt | best of copy | best of copy_nt |",
+                  "|---|---|---:|---:|---:|" + "---:|" * 9]
+        for r in sorted(points, key=order):
+            c = r["c"]
+            for o in ("mean", "mean_sq"):
+                cells = [f"{c[k]:.1f}" if (k := f"GBps.{o}.{i}") in c else "-"
+                         for i in ("gradavg", "gradavg_nt", "eigen_per_tower", "stacked_tensor", "onednn_sum")]
+                cells += [f"{c[k]:.1f}" if (k := f"GBps.{i}") in c else "-" for i in ("copy", "copy_nt")]
+                cells += [pct(c.get(f"{o}.of.copy")), pct(c.get(f"{o}.of.copy_nt"))]
+                lines.append(f"| {r['dtype']} | {o} | {r['T']} | {size_label(r['P'])} | {r['threads']} | " +
+                             " | ".join(cells) + " |")
+        lines.append("")
+
+    if models:
+        lines += [f"### Per-variable overhead, paired (mean + squares, float; target ≤{MODEL_OVERHEAD_LIMIT:.2f})", "",
+                  "Time with one entry per parameter tensor / time over one flat buffer of the same "
+                  "total, median of per-round ratios; the two alternate within every round.", "",
+                  "| model | T | threads | gradavg vars/flat | gradavg_nt vars/flat | gradavg flat GB/s | gradavg_nt flat GB/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for r in sorted(models, key=lambda r: (r["model"] != "resnet50", r["model"], r["T"], r["threads"])):
+            c = r["c"]
+            cells = []
+            for i in ("gradavg", "gradavg_nt"):
+                v = c.get(f"{i}.vars_over_flat")
+                cells.append(f"{v:.3f} ({v - 1:+.1%}) {'✓' if v <= MODEL_OVERHEAD_LIMIT else '✗'}" if v is not None else "-")
+            cells += [f"{c[k]:.1f}" if (k := f"GBps.{i}.flat") in c else "-" for i in ("gradavg", "gradavg_nt")]
+            lines.append(f"| {r['model']} | {r['T']} | {r['threads']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def write_table(path, ctx, recs, model_recs, args, paired=()):
     g = Grid(recs)
     threads_all = sorted({k[4] for k in g.keys} | {k[2] for k in g.limits})
     lines = [
@@ -276,8 +419,10 @@ def write_table(path, ctx, recs, model_recs, args):
     if args.clock == "cpu":
         lines += ["**CPU time** of the benchmark's own thread only: rows with more than one thread "
                   "leave the other threads' work out and overstate their bandwidth.", ""]
+    lines += paired_sections(paired)
     lines += [
-        f"## Targets at P = {size_label(DRAM_P)} (DRAM)",
+        f"## Targets at P = {size_label(DRAM_P)} (DRAM), from the grid"
+        + (" (separate runs: drift between them moves the ratios)" if paired else ""),
         "",
     ]
 
@@ -350,7 +495,7 @@ def write_table(path, ctx, recs, model_recs, args):
         cells += [gbs(r["bw"]) if (r := g.copy(k[0], k[3], k[4], c)) else "-" for c in COPIES]
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {size_label(k[3])} | {k[4]} | " + " | ".join(cells) + " |")
 
-    errors = list(g.errors)
+    errors = list(g.errors) + [r for r in paired if "error" in r]
     if model_recs:
         models = {}
         mcopy = {}
@@ -466,8 +611,9 @@ def main():
     args = parse_args()
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    paired_json = None
     if args.from_json:
-        grid_json, models_json = args.from_json, args.models_json
+        grid_json, models_json, paired_json = args.from_json, args.models_json, args.paired_json
     else:
         json_dir = pathlib.Path(args.json_dir)
         json_dir.mkdir(parents=True, exist_ok=True)
@@ -477,9 +623,15 @@ def main():
         if args.models_binary:
             models_json = str(json_dir / "bench_models.json")
             run_binary(args.models_binary, models_json, args.min_time, args.models_filter, args.repetitions)
+        if args.paired_binary:
+            # Rounds are fixed iterations: min_time does not apply, and repetitions are not needed.
+            paired_json = str(json_dir / "bench_paired.json")
+            extra = [f"--paired_rounds={args.paired_rounds}"] if args.paired_rounds else []
+            run_binary(args.paired_binary, paired_json, args.min_time, args.paired_filter, 1, extra)
     ctx, recs = load(grid_json, args.clock)
     model_recs = load(models_json, args.clock)[1] if models_json and os.path.exists(models_json) else []
-    write_table(out_dir / "bench_table.md", ctx, recs, model_recs, args)
+    paired = load_paired(paired_json) if paired_json and os.path.exists(paired_json) else []
+    write_table(out_dir / "bench_table.md", ctx, recs, model_recs, args, paired)
     plot(out_dir / "bench_bandwidth.png", recs)
     return 0
 

@@ -4,9 +4,12 @@
 #     fails calls SkipWithError; Google Benchmark 1.7 still exits 0 then, printing
 #     "ERROR OCCURRED: '...'" and "error_occurred": true in the JSON),
 #   - every implementation in IMPLS ran at every thread count that any benchmark ran at.
+# A paired benchmark (paired/..., paired_model/...) counts as the implementation named by its
+# family: it runs all its contenders and checks each against the reference before timing.
 #
-# Variables: BENCH (the gradavg_bench executable), FILTER, MIN_TIME (seconds), JSON (where the
-# results go), IMPLS (comma-separated implementation names that must appear).
+# Variables: BENCH (a benchmark executable), FILTER, MIN_TIME (seconds), JSON (where the
+# results go), IMPLS (comma-separated implementation names that must appear), optional ARGS
+# (comma-separated extra arguments for BENCH).
 cmake_minimum_required(VERSION 3.21)  # string(JSON), IN_LIST
 
 foreach(var BENCH FILTER MIN_TIME JSON IMPLS)
@@ -16,9 +19,10 @@ foreach(var BENCH FILTER MIN_TIME JSON IMPLS)
 endforeach()
 
 string(REPLACE "," ";" IMPLS "${IMPLS}")
+string(REPLACE "," ";" ARGS "${ARGS}")
 file(REMOVE "${JSON}")
 execute_process(
-  COMMAND "${BENCH}" "--benchmark_filter=${FILTER}" "--benchmark_min_time=${MIN_TIME}"
+  COMMAND "${BENCH}" ${ARGS} "--benchmark_filter=${FILTER}" "--benchmark_min_time=${MIN_TIME}"
           "--benchmark_out=${JSON}" --benchmark_out_format=json
   RESULT_VARIABLE rc
   OUTPUT_VARIABLE out
@@ -54,7 +58,12 @@ foreach(i RANGE ${last})
   endif()
   # <family>/<type>/<impl>/.../threads:<n>[/real_time]
   string(REPLACE "/" ";" parts "${name}")
-  list(GET parts 2 impl)
+  list(GET parts 0 family)
+  if(family MATCHES "^paired")
+    set(impl "${family}")
+  else()
+    list(GET parts 2 impl)
+  endif()
   if(NOT name MATCHES "/threads:([0-9]+)")
     string(APPEND errors "\n  ${name}: no threads:<n> in the name")
     continue()
