@@ -117,6 +117,21 @@ TEST_CASE("small calls stay on the calling thread") {
   CHECK(counting.calls == 0);
 }
 
+TEST_CASE("chunks are sized by the bytes they move, not by elements") {
+  // 40000 floats per tower, mean and squares: (T + 2) * 4 bytes per element.
+  // T = 2: 640 KB in all, under one 1 MiB chunk: the caller's thread does it all.
+  counting_executor two_towers;
+  workload(2, {40000}).run({.threads = 8, .pool = &two_towers});
+  CHECK(two_towers.calls == 0);
+  // T = 16: 2.88 MB, two whole chunks of at least 1 MiB.
+  counting_executor sixteen_towers;
+  const workload w(16, {40000});
+  const auto counted = w.run({.threads = 8, .pool = &sixteen_towers});
+  CHECK(sixteen_towers.calls == 1);
+  CHECK(sixteen_towers.tasks == 2);
+  CHECK(bitwise_equal(counted.first, w.run({}).first));
+}
+
 TEST_CASE("the allocating API is threaded too, with identical results") {
   const workload w(3, {70001, 5, 90000});
   gradavg::thread_pool pool(2);

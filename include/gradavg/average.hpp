@@ -67,12 +67,13 @@ namespace detail {
 
 struct deduce_tensor {};
 
-/// Runs the kernel over every averaged variable; mean_ptr(i) / square_ptr(i) give the outputs.
+/// Runs the kernel over every averaged variable; mean_ptr(i) / square_ptr(i) give the outputs
+/// (square_ptr returns null for every i when with_squares is false).
 /// All variables' elements form one flat range, split into contiguous chunks (one per thread):
 /// each chunk walks the variables it covers, so small variables share a fork/join.
 template <class TG, class MeanPtr, class SquarePtr>
 void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
-                 const options& opts) {
+                 bool with_squares, const options& opts) {
   using G = gradient_tensor_t<TG>;
   using S = tensor_value_t<G>;
   const std::size_t tower_count = std::ranges::size(tg);
@@ -81,7 +82,9 @@ void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_p
   std::size_t total = 0;
   for (std::size_t i = 0; i < variable_count; ++i)
     if (!is_skipped(tg, i)) total += size_of(i);
-  const std::size_t chunks = chunk_count(total, opts);
+  // Every element of the flat range reads one value per tower and writes a mean (and a square).
+  const std::size_t bytes_per_element = (tower_count + (with_squares ? 2 : 1)) * sizeof(S);
+  const std::size_t chunks = chunk_count(total, bytes_per_element, opts);
   constexpr std::size_t granularity = split_granularity<S>();
 
   // Elements [first, last) of the flat range.
@@ -130,10 +133,11 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
   auto mean_ptr = [&means](std::size_t i) { return output_data(at(means, i)); };
   if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
     average_all(
-        tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); }, opts);
+        tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); }, false,
+        opts);
   } else {
     average_all(
-        tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); }, opts);
+        tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); }, true, opts);
   }
   return result;
 }
@@ -205,7 +209,7 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
       [&](std::size_t i) -> S* {
         return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
       },
-      opts);
+      opts.include_square, opts);
   return result;
 }
 
