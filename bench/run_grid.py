@@ -510,10 +510,14 @@ def write_table(path, ctx, recs, model_recs, args, paired=()):
                   "`_vars`: one entry per parameter tensor; `_flat`: one buffer of the same total "
                   "size. `<impl> vars/flat`: the time ratio, with the per-variable overhead in "
                   "percent (above 1 / +: the variable list costs time). Threaded eigen splits the "
-                  "flat element range as gradavg does. copy, copy_nt: over the flat total.", "",
+                  "flat element range as gradavg does. copy, copy_nt: over the flat total; `best vars "
+                  "of <copy>`: the faster of gradavg_vars and gradavg_nt_vars, as a fraction of that "
+                  "copy's bandwidth." + (" Separate runs: judge vars/flat by the paired table above."
+                                          if any(r["family"] == "paired_model" for r in paired) else ""), "",
                   "| model | T | threads | " + " | ".join(MODEL_IMPLS) + " | " +
-                  " | ".join(f"{i} vars/flat" for i in MODEL_PAIRS) + " | " + " | ".join(MODEL_COPIES) + " |",
-                  "|---|---:|---:|" + "---:|" * (len(MODEL_IMPLS) + len(MODEL_PAIRS) + len(MODEL_COPIES))]
+                  " | ".join(f"{i} vars/flat" for i in MODEL_PAIRS) + " | " + " | ".join(MODEL_COPIES) +
+                  " | best vars of copy | best vars of copy_nt |",
+                  "|---|---:|---:|" + "---:|" * (len(MODEL_IMPLS) + len(MODEL_PAIRS) + len(MODEL_COPIES) + 2)]
         rows = sorted({k[:3] for k in models}, key=lambda x: (x[0] != "resnet50", x[0], x[1], x[2]))
         for m, t, threads in rows:
             cells = [gbs(r["bw"]) if (r := models.get((m, t, threads, i))) else "-" for i in MODEL_IMPLS]
@@ -525,6 +529,12 @@ def write_table(path, ctx, recs, model_recs, args, paired=()):
                 else:
                     cells.append("-")
             cells += [gbs(r["bw"]) if (r := mcopy.get((m, threads, c))) else "-" for c in MODEL_COPIES]
+            # the faster of gradavg_vars and gradavg_nt_vars, against each copy over the flat total
+            best_vars = max((r["bw"] for i in ("gradavg_vars", "gradavg_nt_vars")
+                             if (r := models.get((m, t, threads, i)))), default=None)
+            for c in MODEL_COPIES:
+                r = mcopy.get((m, threads, c))
+                cells.append(pct(best_vars / r["bw"]) if (best_vars and r) else "-")
             lines.append(f"| {m} | {t} | {threads} | " + " | ".join(cells) + " |")
 
     if errors:
