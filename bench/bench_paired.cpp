@@ -65,18 +65,10 @@ struct contender {
   std::vector<double> times;  ///< seconds per call, one value per round
 };
 
-/// The contenders of one comparison point and the storage they point into.
-struct comparison {
+/// The contenders of one comparison point. hold() keeps the storage they point into; as the
+/// base, it is destroyed after them.
+struct comparison : holder {
   std::vector<contender> contenders;
-  std::vector<std::shared_ptr<void>> keep;
-
-  template <class T, class... Args>
-  T& hold(Args&&... args) {
-    auto p = std::make_shared<T>(std::forward<Args>(args)...);
-    T& ref = *p;
-    keep.push_back(std::move(p));
-    return ref;
-  }
 
   [[nodiscard]] const contender* find(std::string_view name) const {
     for (const contender& c : contenders)

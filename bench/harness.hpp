@@ -33,14 +33,11 @@ std::unique_ptr<runner> make_fn_runner(F f) {
   return std::make_unique<fn_runner<F>>(std::move(f));
 }
 
-/// Everything a benchmark's timed loop needs, built (and verified) once.
-struct prepared {
-  std::string error;                        ///< non-empty: skip the benchmark with this message
-  std::vector<std::shared_ptr<void>> keep;  ///< storage the kernel points into; outlives it
-  std::unique_ptr<runner> kernel;           ///< the timed call
-  const void* sink = nullptr;               ///< an output, handed to DoNotOptimize
+/// Storage that runners point into: objects allocated with hold() live as long as the holder.
+struct holder {
+  std::vector<std::shared_ptr<void>> keep;
 
-  /// Allocates an object that lives as long as this prepared state, and returns it.
+  /// Allocates an object that lives as long as this holder, and returns it.
   template <class T, class... Args>
   T& hold(Args&&... args) {
     auto p = std::make_shared<T>(std::forward<Args>(args)...);
@@ -48,6 +45,14 @@ struct prepared {
     keep.push_back(std::move(p));
     return ref;
   }
+};
+
+/// Everything a benchmark's timed loop needs, built (and verified) once. The holder's storage
+/// is declared before the kernel, so it outlives it.
+struct prepared : holder {
+  std::string error;               ///< non-empty: skip the benchmark with this message
+  std::unique_ptr<runner> kernel;  ///< the timed call
+  const void* sink = nullptr;      ///< an output, handed to DoNotOptimize
 };
 
 /// Returns the prepared state for `key`, building it with `build` if the slot holds another.
