@@ -1,4 +1,4 @@
-// Paired benchmark: the target ratios measured by alternation, so that the machine's
+// Paired benchmark: the performance targets' ratios measured by alternation, so that the machine's
 // bandwidth drifting between runs (on a shared VM, by ±20% over minutes) moves every contender
 // of a ratio alike.
 //

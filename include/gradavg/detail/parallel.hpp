@@ -22,7 +22,8 @@ inline std::size_t chunk_count(std::size_t total, std::size_t bytes_per_element,
   std::size_t threads = opts.threads;
   if (threads == 0)
     threads = opts.pool != nullptr ? opts.pool->concurrency() : std::max(1u, std::thread::hardware_concurrency());
-  const std::size_t elements_per_chunk = std::max<std::size_t>(1, min_chunk_bytes / std::max<std::size_t>(1, bytes_per_element));
+  const std::size_t elements_per_chunk =
+      std::max<std::size_t>(1, min_chunk_bytes / std::max<std::size_t>(1, bytes_per_element));
   const std::size_t worth = std::max<std::size_t>(1, total / elements_per_chunk);
   return std::max<std::size_t>(1, std::min(threads, worth));
 }
