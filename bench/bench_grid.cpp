@@ -5,7 +5,6 @@
 // Names: <family>/<type>/<impl>/T:<T>/P:<P>/threads:<n>, family in {mean, mean_sq, limit};
 // limits have no T. bench/run_grid.py parses these names.
 #include <cmath>
-#include <cstring>
 #include <span>
 #include <string>
 #include <type_traits>
@@ -85,25 +84,15 @@ void register_limits(std::size_t elements, int threads) {
   const double bytes = static_cast<double>(elements) * sizeof(S);
 
   // copy (ordinary stores), copy_nt (non-temporal stores), memcpy: 2*P*sizeof credited.
-  struct copy_kernel {
-    const char* name;
-    void (*fn)(S*, const S*, std::size_t);
-  };
-  const copy_kernel copies[] = {
+  const limits::named_copy<S> copies[] = {
       {"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}, {"memcpy", &limits::memcpy<S>}};
-  for (const copy_kernel& k : copies) {
+  for (const limits::named_copy<S>& k : copies) {
     register_prepared(prefix + k.name + suffix, 2 * bytes, [=](prepared& p) {
       const S* src = towers_cache().get<S>(1, elements)[0];
       S* dst = p.hold<aligned_buffer<S>>(elements).data();
-      auto& pool = p.hold<chunk_pool>(threads);
       p.sink = dst;
-      p.kernel = make_fn_runner([=, fn = k.fn, &pool] {
-        pool.for_chunks(elements,
-                        [=](std::size_t, std::size_t b, std::size_t e) { fn(dst + b, src + b, e - b); });
-      });
-      poison(std::span<S>(dst, elements));
-      p.kernel->run();
-      if (std::memcmp(src, dst, elements * sizeof(S)) != 0) p.error = std::string(k.name) + " mismatch";
+      p.kernel = make_copy_runner(k, dst, src, elements, p.hold<chunk_pool>(threads));
+      p.error = run_and_check_copy(*p.kernel, k.name, dst, src, elements);
     });
   }
 

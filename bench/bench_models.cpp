@@ -8,7 +8,6 @@
 // gradavg_nt_vars, gradavg_nt_flat, eigen_vars, eigen_flat}, plus the copy limits
 // model/<model>/float/{copy,copy_nt}/P:<total>/threads:<n> (2*total*4 bytes).
 // Runs that would need more than GRADAVG_BENCH_MAX_GIB (environment, default 8) are skipped.
-#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -77,29 +76,17 @@ void register_model(const model_shapes& m, const std::vector<std::size_t>& tower
 
   for (int threads : thread_counts) {
     // The copy limits over the flat total, split into one contiguous chunk per thread.
-    struct copy_kernel {
-      const char* name;
-      void (*fn)(S*, const S*, std::size_t);
-    };
-    const copy_kernel copies[] = {{"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}};
+    const limits::named_copy<S> copies[] = {{"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}};
     const std::string suffix = "/P:" + std::to_string(total) + "/threads:" + std::to_string(threads);
-    for (const copy_kernel& k : copies) {
+    for (const limits::named_copy<S>& k : copies) {
       register_prepared(prefix + k.name + suffix, 2.0 * static_cast<double>(total) * sizeof(S),
                         [m, total, threads, k](prepared& p) {
                           model_data& d = get_model(m, 1);
                           const S* src = d.towers[0].data();
                           S* dst = d.mean.data();
-                          auto& pool = p.hold<chunk_pool>(threads);
                           p.sink = dst;
-                          p.kernel = make_fn_runner([src, dst, total, fn = k.fn, &pool] {
-                            pool.for_chunks(total, [=](std::size_t, std::size_t b, std::size_t e) {
-                              fn(dst + b, src + b, e - b);
-                            });
-                          });
-                          poison(d.mean.span());  // what an earlier run left there must not pass
-                          p.kernel->run();
-                          if (std::memcmp(src, dst, total * sizeof(S)) != 0)
-                            p.error = std::string(k.name) + " mismatch";
+                          p.kernel = make_copy_runner(k, dst, src, total, p.hold<chunk_pool>(threads));
+                          p.error = run_and_check_copy(*p.kernel, k.name, dst, src, total);
                         });
     }
     for (std::size_t towers : tower_counts) {

@@ -24,7 +24,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -173,19 +172,11 @@ std::string add_peer(comparison& cmp, const std::string& name, op what, std::spa
 template <class S>
 std::string add_copies(comparison& cmp, const S* src, std::size_t elements, int threads) {
   auto& pool = cmp.hold<chunk_pool>(threads);
-  struct copy_kernel {
-    const char* name;
-    void (*fn)(S*, const S*, std::size_t);
-  };
-  for (const copy_kernel& k : {copy_kernel{"copy", &limits::copy<S>}, copy_kernel{"copy_nt", &limits::copy_nt<S>}}) {
+  const limits::named_copy<S> copies[] = {{"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}};
+  for (const limits::named_copy<S>& k : copies) {
     S* dst = cmp.hold<aligned_buffer<S>>(elements).data();
-    contender c{k.name, make_fn_runner([=, fn = k.fn, &pool] {
-                  pool.for_chunks(elements, [=](std::size_t, std::size_t b, std::size_t e) { fn(dst + b, src + b, e - b); });
-                }),
-                2.0 * static_cast<double>(elements) * sizeof(S)};
-    poison(std::span<S>(dst, elements));
-    c.kernel->run();
-    if (std::memcmp(src, dst, elements * sizeof(S)) != 0) return std::string(k.name) + " mismatch";
+    contender c{k.name, make_copy_runner(k, dst, src, elements, pool), 2.0 * static_cast<double>(elements) * sizeof(S)};
+    if (std::string error = run_and_check_copy(*c.kernel, k.name, dst, src, elements); !error.empty()) return error;
     cmp.contenders.push_back(std::move(c));
   }
   return {};

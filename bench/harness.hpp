@@ -6,14 +6,18 @@
 
 #include <benchmark/benchmark.h>
 
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common.hpp"
+#include "limits.hpp"
+#include "parallel.hpp"
 
 namespace gradavg_bench {
 
@@ -46,6 +50,25 @@ struct holder {
     return ref;
   }
 };
+
+/// A copy limit as a runner: k.fn copies src[0, n) to dst, one contiguous chunk per thread of
+/// pool (which must outlive the runner).
+template <class S>
+std::unique_ptr<runner> make_copy_runner(const limits::named_copy<S>& k, S* dst, const S* src, std::size_t n,
+                                         chunk_pool& pool) {
+  return make_fn_runner([=, fn = k.fn, &pool] {
+    pool.for_chunks(n, [=](std::size_t, std::size_t b, std::size_t e) { fn(dst + b, src + b, e - b); });
+  });
+}
+
+/// Poisons dst[0, n) (so that what an earlier run left there cannot pass), runs r once and
+/// compares dst with src bitwise. Returns "<name> mismatch", or empty on success.
+template <class S>
+std::string run_and_check_copy(runner& r, const char* name, S* dst, const S* src, std::size_t n) {
+  poison(std::span<S>(dst, n));
+  r.run();
+  return std::memcmp(src, dst, n * sizeof(S)) == 0 ? std::string() : std::string(name) + " mismatch";
+}
 
 /// Everything a benchmark's timed loop needs, built (and verified) once. The holder's storage
 /// is declared before the kernel, so it outlives it.

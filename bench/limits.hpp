@@ -101,4 +101,11 @@ S sum(const S* src, std::size_t n) {
   return Eigen::Map<const vec<S>>(src, static_cast<Eigen::Index>(n)).sum();
 }
 
+/// A copy limit by name: one of copy, copy_nt, memcpy.
+template <class S>
+struct named_copy {
+  const char* name;
+  void (*fn)(S* dst, const S* src, std::size_t n);
+};
+
 }  // namespace gradavg_bench::limits
