@@ -303,6 +303,35 @@ def verdict(value, threshold, at_least):
     return f"{value:.2f} {'✓' if met else '✗'}"
 
 
+def verdict_table(rows, targets):
+    """Lines of a targets table and its tallies. rows: (type, op, T, threads, best, values), values
+    mapping each target column to a value or None (not measured); targets: (column, label,
+    threshold, at least). Ends with how many are met, overall and per thread count."""
+    def met(v, thr, at_least):
+        return (v >= thr) if at_least else (v <= thr)
+
+    lines = ["| type | op | T | threads | best | " + " | ".join(t[1] for t in targets) + " |",
+             "|---|---|---:|---:|---|" + "---:|" * len(targets)]
+    for *head, values in rows:
+        cells = [verdict(values.get(col), thr, at_least) for col, _, thr, at_least in targets]
+        lines.append("| " + " | ".join(str(h) for h in head) + " | " + " | ".join(cells) + " |")
+
+    def tally(subset):
+        counts = []
+        for col, label, thr, at_least in targets:
+            vals = [v for *_, values in subset if (v := values.get(col)) is not None]
+            if vals:
+                counts.append(f"{label} {sum(met(v, thr, at_least) for v in vals)}/{len(vals)}")
+        return "; ".join(counts)
+
+    lines += ["", f"Met: {tally(rows)}."]
+    for threads in sorted({r[3] for r in rows}):
+        lines.append(f"At {threads} thread{'s' if threads != 1 else ''}: "
+                     f"{tally([r for r in rows if r[3] == threads])}.")
+    lines.append("")
+    return lines
+
+
 def paired_sections(paired):
     """The table's paired sections (a list of lines); errors are returned separately."""
     points = [r for r in paired if r["family"] == "paired" and "c" in r]
@@ -324,36 +353,18 @@ def paired_sections(paired):
               ""]
     dram = sorted((r for r in points if r["P"] == DRAM_P), key=order)
     if dram:
-        lines += ["| type | op | T | threads | best | " + " | ".join(t[1] for t in PAIRED_TARGETS) + " |",
-                  "|---|---|---:|---:|---|" + "---:|" * len(PAIRED_TARGETS)]
-        tally = {t[0]: [0, 0] for t in PAIRED_TARGETS}
-        per_threads = {}
+        rows = []
         for r in dram:
+            c = r["c"]
             for o in ("mean", "mean_sq"):
-                c = r["c"]
                 if f"{o}.best_nt" not in c:
                     continue
-                cells = []
-                for col, _, thr, at_least in PAIRED_TARGETS:
-                    if col == "sq_over_mean":
-                        v = c.get(col) if o == "mean_sq" else None
-                    else:
-                        v = c.get(f"{o}.{col}")
-                    cells.append(verdict(v, thr, at_least))
-                    if v is not None:
-                        ok = (v >= thr) if at_least else (v <= thr)
-                        for t in (tally, per_threads.setdefault(r["threads"], {k[0]: [0, 0] for k in PAIRED_TARGETS})):
-                            t[col][1] += 1
-                            t[col][0] += ok
+                values = {col: c.get(f"{o}.{col}") for col, *_ in PAIRED_TARGETS}
+                # one counter per point, reported on the mean_sq row
+                values["sq_over_mean"] = c.get("sq_over_mean") if o == "mean_sq" else None
                 best = "gradavg_nt" if c[f"{o}.best_nt"] else "gradavg"
-                lines.append(f"| {r['dtype']} | {o} | {r['T']} | {r['threads']} | {best} | " + " | ".join(cells) + " |")
-        lines += ["", "Met: " + "; ".join(f"{label} {tally[col][0]}/{tally[col][1]}"
-                                          for col, label, _, _ in PAIRED_TARGETS) + "."]
-        for threads, t in sorted(per_threads.items()):
-            lines.append(f"At {threads} thread{'s' if threads != 1 else ''}: " +
-                         "; ".join(f"{label} {t[col][0]}/{t[col][1]}" for col, label, _, _ in PAIRED_TARGETS
-                                   if t[col][1]) + ".")
-        lines.append("")
+                rows.append((r["dtype"], o, r["T"], r["threads"], best, values))
+        lines += verdict_table(rows, PAIRED_TARGETS)
 
     if points:
         lines += ["### Paired bandwidths (GB/s, median over rounds) and fractions of the copies", "",
@@ -431,33 +442,9 @@ def write_table(path, ctx, recs, model_recs, args, paired=()):
         lines += [f"No run at P = {size_label(DRAM_P)} in this data.", ""]
     else:
         lines += ["Each cell: the value for gradavg-best, ✓ when the target is met, ✗ when not, "
-                  "- when not measured (oneDNN: float only; sq/mean: mean_sq rows).", "",
-                  "| type | op | T | threads | best | " + " | ".join(t[1] for t in TARGETS) + " |",
-                  "|---|---|---:|---:|---|" + "---:|" * len(TARGETS)]
-        tally = {t[0]: [0, 0] for t in TARGETS}
-        for k in dram:
-            m = g.metrics(k)
-            cells = []
-            for col, _, thr, at_least in TARGETS:
-                v = m[col]
-                cells.append(verdict(v, thr, at_least))
-                if v is not None:
-                    tally[col][1] += 1
-                    tally[col][0] += (v >= thr) if at_least else (v <= thr)
-            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[4]} | {m['best'] or '-'} | " + " | ".join(cells) + " |")
-        lines += ["", "Met: " + "; ".join(f"{label} {tally[col][0]}/{tally[col][1]}"
-                                          for col, label, _, _ in TARGETS) + "."]
-        for threads in sorted({k[4] for k in dram}):
-            sub = [k for k in dram if k[4] == threads]
-            met = []
-            for col, label, thr, at_least in TARGETS:
-                vals = [g.metrics(k)[col] for k in sub]
-                vals = [v for v in vals if v is not None]
-                if vals:
-                    ok = sum((v >= thr) if at_least else (v <= thr) for v in vals)
-                    met.append(f"{label} {ok}/{len(vals)}")
-            lines.append(f"At {threads} thread{'s' if threads != 1 else ''}: " + "; ".join(met) + ".")
-        lines.append("")
+                  "- when not measured (oneDNN: float only; sq/mean: mean_sq rows).", ""]
+        rows = [(k[0], k[1], k[2], k[4], m["best"] or "-", m) for k in dram for m in [g.metrics(k)]]
+        lines += verdict_table(rows, TARGETS)
 
     lines += ["## Limits (GB/s)", "",
               "| type | P | threads | " + " | ".join(LIMITS) + " | best copy |",
