@@ -31,9 +31,6 @@ std::string grid_suffix(std::size_t elements, int threads) {
 
 // ---- Peers. ------------------------------------------------------------------------------
 
-template <class S>
-using factory = std::unique_ptr<runner> (*)(const problem<S>&);
-
 struct grid_point {
   op what;
   std::size_t towers;
@@ -43,29 +40,16 @@ struct grid_point {
 
 /// Builds `make`'s runner for grid point g, runs it once and checks it against the reference.
 template <class S>
-void build_peer(prepared& p, const grid_point& g, factory<S> make) {
+void build_peer(prepared& p, const grid_point& g, peer_factory<S> make) {
   const auto& towers = p.hold<std::vector<const S*>>(towers_cache().get<S>(g.towers, g.elements));
-  auto& mean = p.hold<aligned_buffer<S>>(g.elements);
-  S* sq = g.what == op::mean_sq ? p.hold<aligned_buffer<S>>(g.elements).data() : nullptr;
-
-  problem<S> pr;
-  pr.towers = towers;
-  pr.elements = g.elements;
-  pr.mean = mean.data();
-  pr.sq = sq;
-  pr.threads = g.threads;
-  p.kernel = make(pr);
-  p.sink = mean.data();
-
-  // One untimed call: checks the result and touches every page before timing starts.
-  poison(mean.span());
-  if (sq != nullptr) poison(std::span<S>(sq, g.elements));
-  p.kernel->run();
-  p.error = check_against_reference<S>(towers, 0, g.elements, mean.data(), sq);
+  checked_runner c = checked_peer<S>(p, g.what, towers, g.elements, g.threads, make);
+  p.kernel = std::move(c.kernel);
+  p.error = std::move(c.error);
+  p.sink = c.sink;
 }
 
 template <class S>
-void register_peer(const char* impl, const grid_point& g, factory<S> make) {
+void register_peer(const char* impl, const grid_point& g, peer_factory<S> make) {
   const std::string name = std::string(op_name(g.what)) + "/" + type_name<S>() + "/" + impl +
                            "/T:" + std::to_string(g.towers) + grid_suffix(g.elements, g.threads);
   register_prepared(name, credited_bytes<S>(g.what, g.towers, g.elements),

@@ -26,29 +26,16 @@ namespace {
 
 using S = model_value;
 
-enum class layout { vars, flat };
-
-using var_factory = std::unique_ptr<runner> (*)(const var_problem<S>&);
-using flat_factory = std::unique_ptr<runner> (*)(const problem<S>&);
-
-/// Builds one model benchmark: per-variable with make_vars, or flat with make_flat; runs it
-/// once and checks every output value against the double reference.
-void build_model(prepared& p, const model_shapes& m, std::size_t towers, int threads, layout l,
-                 var_factory make_vars, flat_factory make_flat) {
+/// Builds one model benchmark: over the variables with make_vars or, when it is null, over one
+/// flat buffer with make_flat; runs it once and checks every output value.
+void build_model(prepared& p, const model_shapes& m, std::size_t towers, int threads, vars_factory<S> make_vars,
+                 peer_factory<S> make_flat) {
   model_data& d = get_model(m, towers);
   const auto& ptrs = p.hold<std::vector<const S*>>(d.tower_ptrs(towers));
-  p.sink = d.mean.data();
-  poison(d.mean.span());
-  poison(d.sq.span());
-  if (l == layout::vars) {
-    p.kernel = make_vars(vars_problem(d, ptrs, threads));
-    p.kernel->run();
-    p.error = check_vars(m, d, ptrs);
-  } else {
-    p.kernel = make_flat(flat_problem(d, ptrs, threads));
-    p.kernel->run();
-    p.error = check_against_reference<S>(ptrs, 0, d.total, d.mean.data(), d.sq.data());
-  }
+  checked_runner c = checked_model_runner(m, d, ptrs, threads, make_vars, make_flat);
+  p.kernel = std::move(c.kernel);
+  p.error = std::move(c.error);
+  p.sink = c.sink;
 }
 
 void register_model(const model_shapes& m, const std::vector<std::size_t>& tower_counts,
@@ -59,19 +46,18 @@ void register_model(const model_shapes& m, const std::vector<std::size_t>& tower
 
   struct impl {
     const char* name;
-    layout l;
-    var_factory vars;
-    flat_factory flat;
+    vars_factory<S> vars;  ///< null: the flat layout, with flat
+    peer_factory<S> flat;
   };
   const std::vector<impl> impls{
 #ifndef GRADAVG_BENCH_NO_GRADAVG
-      {"gradavg_vars", layout::vars, &make_gradavg_vars<S>, nullptr},
-      {"gradavg_flat", layout::flat, nullptr, &make_gradavg<S>},
-      {"gradavg_nt_vars", layout::vars, &make_gradavg_nt_vars<S>, nullptr},
-      {"gradavg_nt_flat", layout::flat, nullptr, &make_gradavg_nt<S>},
+      {"gradavg_vars", &make_gradavg_vars<S>, nullptr},
+      {"gradavg_flat", nullptr, &make_gradavg<S>},
+      {"gradavg_nt_vars", &make_gradavg_nt_vars<S>, nullptr},
+      {"gradavg_nt_flat", nullptr, &make_gradavg_nt<S>},
 #endif
-      {"eigen_vars", layout::vars, &make_eigen_per_tower_vars<S>, nullptr},
-      {"eigen_flat", layout::flat, nullptr, &make_eigen_per_tower<S>},
+      {"eigen_vars", &make_eigen_per_tower_vars<S>, nullptr},
+      {"eigen_flat", nullptr, &make_eigen_per_tower<S>},
   };
 
   for (int threads : thread_counts) {
@@ -95,7 +81,7 @@ void register_model(const model_shapes& m, const std::vector<std::size_t>& tower
         register_prepared(prefix + i.name + "/T:" + std::to_string(towers) + "/threads:" +
                               std::to_string(threads),
                           bytes, [m, towers, threads, i](prepared& p) {
-                            build_model(p, m, towers, threads, i.l, i.vars, i.flat);
+                            build_model(p, m, towers, threads, i.vars, i.flat);
                           });
     }
   }

@@ -143,28 +143,14 @@ bool skip_on_error(benchmark::State& state, const std::string& error) {
 
 // ---- Grid points. ---------------------------------------------------------------------------
 
-template <class S>
-using factory = std::unique_ptr<runner> (*)(const problem<S>&);
-
 /// Adds a peer for op `what` over `towers` to cmp; runs it once and checks it. Returns an error.
 template <class S>
 std::string add_peer(comparison& cmp, const std::string& name, op what, std::span<const S* const> towers,
-                     std::size_t elements, int threads, factory<S> make) {
-  S* mean = cmp.hold<aligned_buffer<S>>(elements).data();
-  S* sq = what == op::mean_sq ? cmp.hold<aligned_buffer<S>>(elements).data() : nullptr;
-  problem<S> pr;
-  pr.towers = towers;
-  pr.elements = elements;
-  pr.mean = mean;
-  pr.sq = sq;
-  pr.threads = threads;
-  contender c{std::string(op_name(what)) + "." + name, make(pr), credited_bytes<S>(what, towers.size(), elements)};
-  poison(std::span<S>(mean, elements));
-  if (sq != nullptr) poison(std::span<S>(sq, elements));
-  c.kernel->run();
-  std::string error = check_against_reference<S>(towers, 0, elements, mean, sq);
-  if (!error.empty()) return c.name + ": " + error;
-  cmp.contenders.push_back(std::move(c));
+                     std::size_t elements, int threads, peer_factory<S> make) {
+  checked_runner c = checked_peer<S>(cmp, what, towers, elements, threads, make);
+  const std::string full_name = std::string(op_name(what)) + "." + name;
+  if (!c.error.empty()) return full_name + ": " + c.error;
+  cmp.contenders.emplace_back(full_name, std::move(c.kernel), credited_bytes<S>(what, towers.size(), elements));
   return {};
 }
 
@@ -211,7 +197,7 @@ void paired_point(benchmark::State& state, std::size_t tower_count, std::size_t 
     for (op what : {op::mean, op::mean_sq}) {
       struct entry {
         const char* name;
-        factory<S> make;
+        peer_factory<S> make;
       };
       std::vector<entry> peers{{"gradavg", &make_gradavg<S>},
                                {"gradavg_nt", &make_gradavg_nt<S>},
@@ -246,26 +232,20 @@ void paired_model(benchmark::State& state, const model_shapes& m, std::size_t to
     // Every contender writes d.mean and d.sq: each is checked right after its first call.
     struct entry {
       const char* name;
-      std::unique_ptr<runner> (*vars)(const var_problem<S>&);
-      std::unique_ptr<runner> (*flat)(const problem<S>&);
+      vars_factory<S> vars;  // null: the flat layout, with flat
+      peer_factory<S> flat;
     };
     const entry impls[] = {{"gradavg.vars", &make_gradavg_vars<S>, nullptr},
                            {"gradavg.flat", nullptr, &make_gradavg<S>},
                            {"gradavg_nt.vars", &make_gradavg_nt_vars<S>, nullptr},
                            {"gradavg_nt.flat", nullptr, &make_gradavg_nt<S>}};
     for (const entry& e : impls) {
-      poison(d.mean.span());
-      poison(d.sq.span());
-      contender c{e.name, e.vars ? e.vars(vars_problem(d, towers, threads)) : e.flat(flat_problem(d, towers, threads)),
-                  bytes};
-      c.kernel->run();
-      error = e.vars ? check_vars(m, d, towers)
-                     : check_against_reference<S>(towers, 0, d.total, d.mean.data(), d.sq.data());
-      if (!error.empty()) {
-        error = std::string(e.name) + ": " + error;
+      checked_runner c = checked_model_runner(m, d, towers, threads, e.vars, e.flat);
+      if (!c.error.empty()) {
+        error = std::string(e.name) + ": " + c.error;
         break;
       }
-      cmp.contenders.push_back(std::move(c));
+      cmp.contenders.emplace_back(e.name, std::move(c.kernel), bytes);
     }
   } catch (const std::exception& e) {
     error = e.what();

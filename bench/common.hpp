@@ -149,4 +149,16 @@ class runner {
   virtual void run() = 0;
 };
 
+template <class S>
+using peer_factory = std::unique_ptr<runner> (*)(const problem<S>&);
+template <class S>
+using vars_factory = std::unique_ptr<runner> (*)(const var_problem<S>&);
+
+/// A runner that has been run once and checked, and what the check found.
+struct checked_runner {
+  std::unique_ptr<runner> kernel;
+  std::string error;           ///< empty: the first call's outputs matched the reference
+  const void* sink = nullptr;  ///< an output, for DoNotOptimize
+};
+
 }  // namespace gradavg_bench

@@ -70,6 +70,28 @@ std::string run_and_check_copy(runner& r, const char* name, S* dst, const S* src
   return std::memcmp(src, dst, n * sizeof(S)) == 0 ? std::string() : std::string(name) + " mismatch";
 }
 
+/// make's runner for `what` over towers (elements values each), writing outputs that h holds.
+/// One untimed call into poisoned outputs checks it against the double reference and touches
+/// every page before timing starts.
+template <class S>
+checked_runner checked_peer(holder& h, op what, std::span<const S* const> towers, std::size_t elements, int threads,
+                            peer_factory<S> make) {
+  S* mean = h.hold<aligned_buffer<S>>(elements).data();
+  S* sq = what == op::mean_sq ? h.hold<aligned_buffer<S>>(elements).data() : nullptr;
+  problem<S> pr;
+  pr.towers = towers;
+  pr.elements = elements;
+  pr.mean = mean;
+  pr.sq = sq;
+  pr.threads = threads;
+  checked_runner c{make(pr), {}, mean};
+  poison(std::span<S>(mean, elements));
+  if (sq != nullptr) poison(std::span<S>(sq, elements));
+  c.kernel->run();
+  c.error = check_against_reference<S>(towers, 0, elements, mean, sq);
+  return c;
+}
+
 /// Everything a benchmark's timed loop needs, built (and verified) once. The holder's storage
 /// is declared before the kernel, so it outlives it.
 struct prepared : holder {

@@ -116,6 +116,23 @@ inline std::string check_vars(const model_shapes& m, const model_data& d, std::s
   return {};
 }
 
+/// A runner over d's variables (make_vars) or, when make_vars is null, over one flat buffer of
+/// the same total (make_flat), writing d.mean and d.sq. One untimed call into poisoned outputs
+/// checks every value against the double reference (a mismatch is named by its variable).
+inline checked_runner checked_model_runner(const model_shapes& m, model_data& d,
+                                           std::span<const model_value* const> towers, int threads,
+                                           vars_factory<model_value> make_vars,
+                                           peer_factory<model_value> make_flat) {
+  poison(d.mean.span());
+  poison(d.sq.span());
+  checked_runner c{make_vars ? make_vars(vars_problem(d, towers, threads)) : make_flat(flat_problem(d, towers, threads)),
+                   {}, d.mean.data()};
+  c.kernel->run();
+  c.error = make_vars ? check_vars(m, d, towers)
+                      : check_against_reference<model_value>(towers, 0, d.total, d.mean.data(), d.sq.data());
+  return c;
+}
+
 /// Aborts on a shape list that does not add up to the published counts.
 inline void check_counts(const model_shapes& m) {
   std::size_t total = 0;
