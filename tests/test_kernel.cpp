@@ -3,7 +3,12 @@
 // and, bit for bit, with each other.
 #include <gradavg/gradavg.hpp>
 
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
 #include <span>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -63,4 +68,67 @@ TEST_CASE("mean alone equals the mean computed alongside squares") {
   gradavg::average_gradients_into(tg, alone);
   gradavg::average_gradients_into(tg, with, sq);
   CHECK(alone[0] == with[0]);
+}
+
+TEMPLATE_TEST_CASE("a NaN result is the default quiet NaN on every path, thread count and store kind", "", float,
+                   double) {
+  using S = TestType;
+  using bits_t = std::conditional_t<sizeof(S) == 4, std::uint32_t, std::uint64_t>;
+  auto bits = [](S x) { return std::bit_cast<bits_t>(x); };
+  auto nan_with_payload = [&bits](bits_t payload, bool quiet) {
+    constexpr int mantissa_bits = std::numeric_limits<S>::digits - 1;
+    const bits_t quiet_bit = bits_t{1} << (mantissa_bits - 1);
+    const bits_t exponent = bits(std::numeric_limits<S>::infinity());
+    return std::bit_cast<S>(static_cast<bits_t>(exponent | (quiet ? quiet_bit : bits_t{0}) | ((payload | 1) & (quiet_bit - 1))));
+  };
+  const std::size_t tower_count = GENERATE(2, 3, 17);
+  // Large enough for four chunks of at least 1 MiB; n % 16 != 0 leaves a tail.
+  const std::size_t n = (std::size_t{3} << 20) / ((tower_count + 2) * sizeof(S)) * 4 + 13;
+  INFO("towers " << tower_count << ", n " << n);
+
+  std::vector<std::vector<S>> data;
+  for (std::size_t k = 0; k < tower_count; ++k)
+    data.push_back(gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(900 + k)));
+  // NaNs of different payloads (quiet and signalling, both signs) meet at the first, last,
+  // packet-boundary, tail and chunk-boundary-ish positions; +inf + -inf makes one elsewhere.
+  std::vector<std::size_t> nan_at{0, 1, 15, 16, 17, 63, 64, n / 4, n / 4 + 1, n / 3, n / 2 - 1, n / 2, n - 13, n - 2, n - 1};
+  for (std::size_t k = 0; k < tower_count; ++k)
+    for (std::size_t p = 0; p < nan_at.size(); ++p)
+      if ((k + p) % 2 == 0 || k + 1 == tower_count) {
+        S nan = nan_with_payload(static_cast<bits_t>(k * 977 + p * 31), (k + p) % 3 != 0);
+        data[k][nan_at[p]] = (k % 2 == 0) ? nan : -nan;
+      }
+  const std::size_t inf_at = n / 5;
+  data[0][inf_at] = std::numeric_limits<S>::infinity();
+  data[1][inf_at] = -std::numeric_limits<S>::infinity();
+  nan_at.push_back(inf_at);
+
+  std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+  std::vector<const S*> ptrs;
+  for (std::size_t k = 0; k < tower_count; ++k) {
+    tg[k].push_back({std::span<const S>(data[k]), 0});
+    ptrs.push_back(data[k].data());
+  }
+  const gradavg_test::reference<S> want(ptrs, n);
+
+  const bits_t quiet_nan = bits(std::numeric_limits<S>::quiet_NaN());
+  gradavg::thread_pool pool(4);
+  for (const std::size_t threads : {1, 2, 3, 4})
+    for (const bool streaming : {false, true}) {
+      INFO("threads " << threads << ", streaming " << streaming);
+      std::vector<S> mean(n), square(n);
+      std::vector<std::span<S>> m{std::span<S>(mean)}, q{std::span<S>(square)};
+      gradavg::average_gradients_into(tg, m, q, {.threads = threads, .streaming_stores = streaming, .pool = &pool});
+      std::size_t nan_means = 0, nan_squares = 0, wrong = 0;
+      for (std::size_t j = 0; j < n; ++j) {
+        // Squares of +inf and -inf add up to +inf: only the means are NaN there.
+        nan_means += std::isnan(want.mean[j]);
+        nan_squares += std::isnan(want.square[j]);
+        wrong += std::isnan(want.mean[j]) ? bits(mean[j]) != quiet_nan : std::isnan(mean[j]);
+        wrong += std::isnan(want.square[j]) ? bits(square[j]) != quiet_nan : std::isnan(square[j]);
+      }
+      CHECK(nan_means == nan_at.size());
+      CHECK(nan_squares + 1 == nan_at.size());
+      CHECK(wrong == 0);
+    }
 }

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/isa.hpp"
 #include "detail/kernel.hpp"
 #include "detail/parallel.hpp"
 #include "detail/validate.hpp"
@@ -29,6 +30,7 @@
 #include "tensor.hpp"
 
 namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// A range of towers, each a range of (gradient, variable) entries that gradavg can read.
 template <class TG>
@@ -213,4 +215,5 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
   return result;
 }
 
+GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

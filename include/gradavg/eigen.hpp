@@ -11,9 +11,11 @@
 
 #include <type_traits>
 
+#include "detail/isa.hpp"
 #include "tensor.hpp"
 
 namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// An Eigen dense expression whose elements sit in memory (Matrix, Array, Map, Ref, Block).
@@ -49,4 +51,5 @@ struct tensor_traits<T> {
   }
 };
 
+GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

@@ -7,9 +7,11 @@
 
 #include <type_traits>
 
+#include "detail/isa.hpp"
 #include "tensor.hpp"
 
 namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 template <class T>
@@ -72,4 +74,5 @@ struct tensor_traits<Eigen::TensorMap<Plain, MapOptions, MakePointer>> {
   }
 };
 
+GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

@@ -20,9 +20,11 @@
 #include <type_traits>
 #include <utility>
 
+#include "detail/isa.hpp"
 #include "tensor.hpp"
 
 namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// A named (gradient, variable) entry; std::pair works just as well.
 template <class Gradient, class Variable>
@@ -154,4 +156,5 @@ concept comparable_variable = requires(const V& a, const V& b) {
 
 }  // namespace detail
 
+GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

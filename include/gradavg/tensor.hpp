@@ -24,7 +24,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "detail/isa.hpp"
+
 namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// Order in which a multi-dimensional tensor lays out its elements.
 enum class storage_order : std::uint8_t { row_major, col_major };
@@ -155,4 +158,5 @@ struct tensor_traits<std::array<V, N>> {
   static result_type make(const gradavg::shape&) noexcept { return result_type{}; }
 };
 
+GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

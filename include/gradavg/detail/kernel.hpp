@@ -3,9 +3,12 @@
 // Contract of reduce_range (one variable, T towers, elements [begin, end)):
 //   mean[j]   = (g_0[j] + g_1[j] + ... + g_{T-1}[j]) / T        summed in tower order
 //   square[j] = (g_0[j]^2 + ... + g_{T-1}[j]^2) / T              when square != nullptr
-// in the accumulator type; squares use a fused multiply-add where the packets do. The scalar
-// path rounds exactly as the packet path, so each element's result depends only on its inputs
-// and T — never on blocking, alignment, or how a caller splits [0, n) across threads.
+// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add). Every
+// element, tails included, is computed by the same packet operations (a tail is copied into a
+// zero-padded step), so each element's result depends only on its inputs and T — never on
+// blocking, alignment, how a caller splits [0, n) across threads, or whether the target's
+// multiply-add fuses. A NaN result is always the default quiet NaN (NaN inputs' payloads are not
+// propagated), so NaN results are bitwise reproducible too.
 // Every g_k[j] is read once and mean[j], square[j] written once, after all reads of index j,
 // so mean may be g_0 itself (in place). No other overlap is allowed.
 //
@@ -15,19 +18,18 @@
 // With streaming set, outputs are written with non-temporal stores where the target has them.
 #pragma once
 
-#include <Eigen/Core>
-
-#if defined(EIGEN_VECTORIZE_SSE2) || defined(EIGEN_VECTORIZE_AVX) || defined(EIGEN_VECTORIZE_AVX512)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
-namespace gradavg::detail {
+#include "isa.hpp"
+#include "packet.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
 
 /// Type in which values stored as S are summed. 16-bit storage will map to float here.
 template <class S>
@@ -41,16 +43,13 @@ using accumulator_t = typename accumulator<S>::type;
 template <class S>
 inline constexpr bool supported_scalar = std::is_same_v<S, float> || std::is_same_v<S, double>;
 
-template <class Acc>
-using packet_t = typename Eigen::internal::packet_traits<Acc>::type;
-
-template <class Acc>
-inline constexpr std::size_t packet_size =
-    static_cast<std::size_t>(Eigen::internal::unpacket_traits<packet_t<Acc>>::size);
-
 /// Packets per step: one 64-byte cache line of each tower (at least one packet, at most four).
 template <class Acc>
-inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / sizeof(packet_t<Acc>), 1, 4);
+inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / packet_ops<Acc>::bytes, 1, 4);
+
+/// Elements per step.
+template <class Acc>
+inline constexpr std::size_t step_elements = step_packets<Acc> * packet_ops<Acc>::width;
 
 /// Towers summed in registers before going through the accumulator block.
 inline constexpr std::size_t group_towers = 16;
@@ -66,60 +65,16 @@ constexpr std::size_t split_granularity() noexcept {
   return block_elements<accumulator_t<S>>;
 }
 
-/// s + g*g, rounded exactly as the packet path rounds it (fused where packets fuse).
-template <class Acc>
-inline Acc add_square(Acc s, Acc g) noexcept {
-#if defined(EIGEN_VECTORIZE_FMA)
-  return std::fma(g, g, s);
-#else
-  return s + g * g;
-#endif
-}
-
-/// Stores a packet; with Stream, non-temporally where the target can and p is aligned.
-template <bool Stream, class Acc>
-inline void store_packet(Acc* p, const packet_t<Acc>& v) noexcept {
-  namespace ei = Eigen::internal;
-  if constexpr (Stream) {
-    if (reinterpret_cast<std::uintptr_t>(p) % sizeof(packet_t<Acc>) == 0) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-      if constexpr (sizeof(packet_t<Acc>) == 64) {
-        if constexpr (std::is_same_v<Acc, float>) return _mm512_stream_ps(p, v);
-        else return _mm512_stream_pd(p, v);
-      }
-#endif
-#if defined(EIGEN_VECTORIZE_AVX)
-      if constexpr (sizeof(packet_t<Acc>) == 32) {
-        if constexpr (std::is_same_v<Acc, float>) return _mm256_stream_ps(p, v);
-        else return _mm256_stream_pd(p, v);
-      }
-#endif
-#if defined(EIGEN_VECTORIZE_SSE2)
-      if constexpr (sizeof(packet_t<Acc>) == 16) {
-        if constexpr (std::is_same_v<Acc, float>) return _mm_stream_ps(p, v);
-        else return _mm_stream_pd(p, v);
-      }
-#endif
-    }
-  }
-  ei::pstoreu(p, v);
-}
-
-/// Orders non-temporal stores before what follows (they are weakly ordered).
-inline void streaming_fence() noexcept {
-#if defined(EIGEN_VECTORIZE_SSE2)
-  _mm_sfence();
-#endif
-}
-
 /// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
 /// ToOut = the group is the last, so results are divided by T and stored to the outputs.
 template <class S, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
 struct group_pass {
   using Acc = accumulator_t<S>;
-  using P = packet_t<Acc>;
-  static constexpr std::size_t W = packet_size<Acc>;
+  using ops = packet_ops<Acc>;
+  using P = typename ops::type;
+  static constexpr std::size_t W = ops::width;
   static constexpr std::size_t U = step_packets<Acc>;
+  static constexpr std::size_t E = step_elements<Acc>;
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
@@ -129,81 +84,85 @@ struct group_pass {
   Acc* square;
   Acc divisor;
 
-  /// Elements [j, j + U*W): U packets of every tower, summed in registers.
+  /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
+  /// outputs non-temporally.
+  template <bool StreamOut>
   void step(std::size_t j) const noexcept {
-    namespace ei = Eigen::internal;
     P a[U], s[U];
     std::size_t k = 0;
     if constexpr (FromAcc) {
       for (std::size_t u = 0; u < U; ++u) {
-        a[u] = ei::ploadu<P>(acc + j + u * W);
-        if constexpr (WithSquare) s[u] = ei::ploadu<P>(sq + j + u * W);
+        a[u] = ops::load(acc + j + u * W);
+        if constexpr (WithSquare) s[u] = ops::load(sq + j + u * W);
       }
     } else {
       for (std::size_t u = 0; u < U; ++u) {
-        a[u] = ei::ploadu<P>(towers[0] + j + u * W);
-        if constexpr (WithSquare) s[u] = ei::pmul(a[u], a[u]);
+        a[u] = ops::load(towers[0] + j + u * W);
+        if constexpr (WithSquare) s[u] = ops::mul(a[u], a[u]);
       }
       k = 1;
     }
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
       for (std::size_t u = 0; u < U; ++u) {
-        const P x = ei::ploadu<P>(g + u * W);
-        a[u] = ei::padd(a[u], x);
-        if constexpr (WithSquare) s[u] = ei::pmadd(x, x, s[u]);
+        const P x = ops::load(g + u * W);
+        a[u] = ops::add(a[u], x);
+        if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
       }
     }
-    const P d = ei::pset1<P>(divisor);
     for (std::size_t u = 0; u < U; ++u) {
       if constexpr (ToOut) {
-        store_packet<Stream>(mean + j + u * W, ei::pdiv(a[u], d));
-        if constexpr (WithSquare) store_packet<Stream>(square + j + u * W, ei::pdiv(s[u], d));
+        const P d = ops::broadcast(divisor);
+        const P m = ops::canonical_nan(ops::div(a[u], d));
+        if constexpr (StreamOut) ops::stream(mean + j + u * W, m); else ops::store(mean + j + u * W, m);
+        if constexpr (WithSquare) {
+          const P q = ops::canonical_nan(ops::div(s[u], d));
+          if constexpr (StreamOut) ops::stream(square + j + u * W, q); else ops::store(square + j + u * W, q);
+        }
       } else {
-        ei::pstoreu(acc + j + u * W, a[u]);
-        if constexpr (WithSquare) ei::pstoreu(sq + j + u * W, s[u]);
+        ops::store(acc + j + u * W, a[u]);
+        if constexpr (WithSquare) ops::store(sq + j + u * W, s[u]);
       }
     }
   }
 
-  /// One element, rounded as the packet path rounds it.
-  void scalar(std::size_t j) const noexcept {
-    Acc a, s{};
-    std::size_t k = 0;
+  /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
+  /// whole steps are, and the n results copied back.
+  void partial_step(std::size_t j, std::size_t n) const noexcept {
+    alignas(64) S in[group_towers][E] = {};
+    const S* in_ptrs[group_towers];
+    for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in[k];
+    for (std::size_t k = 0; k < count; ++k) std::memcpy(in[k], towers[k] + j, n * sizeof(S));
+    alignas(64) Acc a_buf[E] = {}, s_buf[E] = {};
     if constexpr (FromAcc) {
-      a = acc[j];
-      if constexpr (WithSquare) s = sq[j];
-    } else {
-      a = Acc(towers[0][j]);
-      s = a * a;
-      k = 1;
+      std::memcpy(a_buf, acc + j, n * sizeof(Acc));
+      if constexpr (WithSquare) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
     }
-    for (; k < count; ++k) {
-      const Acc x = Acc(towers[k][j]);
-      a = a + x;
-      s = add_square(s, x);
-    }
+    alignas(64) Acc m_buf[E], q_buf[E];
+    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor};
+    padded.template step<false>(0);
     if constexpr (ToOut) {
-      mean[j] = a / divisor;
-      if constexpr (WithSquare) square[j] = s / divisor;
+      std::memcpy(mean + j, m_buf, n * sizeof(Acc));
+      if constexpr (WithSquare) std::memcpy(square + j, q_buf, n * sizeof(Acc));
     } else {
-      acc[j] = a;
-      if constexpr (WithSquare) sq[j] = s;
+      std::memcpy(acc + j, a_buf, n * sizeof(Acc));
+      if constexpr (WithSquare) std::memcpy(sq + j, s_buf, n * sizeof(Acc));
     }
   }
 
-  /// Elements [0, len): a scalar head up to the outputs' packet alignment when streaming,
-  /// whole steps, then scalars.
+  /// Elements [0, len): when streaming, a partial step up to the outputs' packet alignment;
+  /// whole steps; then a partial step for the tail.
   void run(std::size_t len) const noexcept {
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
-      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % sizeof(P);
-      if (misaligned % sizeof(Acc) == 0 && misaligned != 0)
-        for (std::size_t head = std::min(len, (sizeof(P) - misaligned) / sizeof(Acc)); j < head; ++j) scalar(j);
+      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
+      if (misaligned % sizeof(Acc) == 0 && misaligned != 0) {
+        j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
+        partial_step(0, j);
+      }
     }
-    constexpr std::size_t step_elements = U * W;
-    for (; j + step_elements <= len; j += step_elements) step(j);
-    for (; j < len; ++j) scalar(j);
+    for (; j + E <= len; j += E) step<ToOut && Stream>(j);
+    if (j < len) partial_step(j, len - j);
   }
 };
 
@@ -263,4 +222,6 @@ void reduce_range(const TowerData& tower_data, std::size_t tower_count, std::siz
   }
 }
 
-}  // namespace gradavg::detail
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg

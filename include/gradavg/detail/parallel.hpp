@@ -6,10 +6,13 @@
 #include <thread>
 #include <vector>
 
+#include "isa.hpp"
 #include "../executor.hpp"
 #include "../options.hpp"
 
-namespace gradavg::detail {
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
 
 /// Fewest bytes (read and written) worth a chunk of their own. Handing a chunk to another
 /// thread and joining it costs about 5-25 us (more on virtual machines); a chunk of 1 MiB takes
@@ -58,4 +61,6 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
   // started threads join here
 }
 
-}  // namespace gradavg::detail
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg

@@ -8,12 +8,15 @@
 #include <string>
 #include <type_traits>
 
+#include "isa.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
 #include "../options.hpp"
 #include "../tensor.hpp"
 
-namespace gradavg::detail {
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
 
 // ---- Access to tower_grads[k][i]. ----------------------------------------------------------
 
@@ -290,4 +293,6 @@ void validate_aliasing(const TG& tg, Means& means, Squares* squares, std::size_t
   }
 }
 
-}  // namespace gradavg::detail
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
