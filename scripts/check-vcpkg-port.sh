@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Proves ports/gradavg with a real vcpkg:
 #   1. installs the port as an overlay port (classic mode, a fresh install root, no binary cache),
-#      its source this checkout's HEAD commit through the portfile's local override
-#      (GRADAVG_SOURCE_GIT=file://<checkout>, GRADAVG_SOURCE_REF=<full SHA of HEAD>): commit first,
-#      uncommitted edits are not in it;
+#      its source this checkout's HEAD commit (commit first: uncommitted edits are not in it), by
+#      default through the portfile's local override (GRADAVG_SOURCE_GIT=file://<checkout>,
+#      GRADAVG_SOURCE_REF=<full SHA of HEAD>); with GRADAVG_PORT_SOURCE=github through the
+#      released form, vcpkg_from_github, instead: the tarball GitHub would serve for HEAD is made
+#      with git archive into $VCPKG_ROOT/downloads, and a copy of the port names HEAD and its SHA512;
 #   2. configures, builds and runs tests/package/consumer with vcpkg's toolchain file, checking that
 #      gradavg and Eigen both come from vcpkg's install tree;
 #   3. compiles and runs the same program with the flags of vcpkg's gradavg.pc and eigen3.pc only.
@@ -14,8 +16,9 @@
 # (eigen3's source tarball) in $VCPKG_ROOT/downloads; X_VCPKG_ASSET_SOURCES=x-block-origin makes a
 # missing one fail at once instead of reaching for the network. Build tools (cmake, ninja, a C++20
 # compiler, git, pkg-config) come from PATH (VCPKG_FORCE_SYSTEM_BINARIES=1 unless set).
-# Knobs: TRIPLET (default from the machine), WORK (scratch folder, default a new one under /tmp;
-# vcpkg writes only the port's source archive, gradavg-<SHA>.tar.gz, into $VCPKG_ROOT/downloads).
+# Knobs: GRADAVG_PORT_SOURCE (local or github, above), TRIPLET (default from the machine), WORK
+# (scratch folder, default a new one under /tmp). Into $VCPKG_ROOT, vcpkg and this script write
+# only the port's source archive, under downloads/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 checkout=$PWD
@@ -57,14 +60,34 @@ tree=$installed/$triplet
 
 export VCPKG_ROOT=$root VCPKG_DISABLE_METRICS=1
 export VCPKG_FORCE_SYSTEM_BINARIES=${VCPKG_FORCE_SYSTEM_BINARIES:-1}
-export GRADAVG_SOURCE_GIT=file://$checkout GRADAVG_SOURCE_REF=$ref
 say "vcpkg $("$vcpkg" version | head -1 | sed 's/.*version //'), root $root"
-say "gradavg $version from $GRADAVG_SOURCE_GIT at $ref; triplet $triplet; scratch $work"
+ports=$checkout/ports
+case ${GRADAVG_PORT_SOURCE:-local} in
+  local)
+    export GRADAVG_SOURCE_GIT=file://$checkout GRADAVG_SOURCE_REF=$ref
+    say "gradavg $version from $GRADAVG_SOURCE_GIT at $ref; triplet $triplet; scratch $work" ;;
+  github)
+    unset GRADAVG_SOURCE_GIT GRADAVG_SOURCE_REF
+    repo=$(sed -n 's/^ *REPO \([^ ]*\)$/\1/p' ports/gradavg/portfile.cmake)
+    # GitHub's archive of a commit: git archive with the top folder <name>-<SHA>, gzip -n.
+    archive=$root/downloads/${repo//\//-}-$ref.tar.gz
+    mkdir -p "$root/downloads"
+    git archive --format=tar --prefix="${repo#*/}-$ref/" "$ref" | gzip -cn >"$archive"
+    sha512=$(sha512sum "$archive" | cut -d' ' -f1)
+    ports=$work/ports
+    mkdir -p "$ports"
+    cp -r ports/gradavg "$ports/"
+    sed -i "s/^\( *REF \)\"v\${VERSION}\"$/\1$ref/; s/^\( *SHA512 \)0$/\1$sha512/" "$ports/gradavg/portfile.cmake"
+    grep -q "REF $ref" "$ports/gradavg/portfile.cmake" && grep -q "SHA512 $sha512" "$ports/gradavg/portfile.cmake" ||
+      { echo "check-vcpkg-port: could not point the port's vcpkg_from_github at $ref" >&2; exit 1; }
+    say "gradavg $version through vcpkg_from_github(REPO $repo REF $ref), archive $archive; triplet $triplet; scratch $work" ;;
+  *) echo "check-vcpkg-port: GRADAVG_PORT_SOURCE is local or github, not $GRADAVG_PORT_SOURCE" >&2; exit 1 ;;
+esac
 
-say "== vcpkg install gradavg (overlay port $checkout/ports)"
+say "== vcpkg install gradavg (overlay port $ports)"
 t=$SECONDS
 # --classic: a vcpkg.json in the working folder or above would otherwise switch to manifest mode.
-"$vcpkg" install --classic gradavg --overlay-ports="$checkout/ports" \
+"$vcpkg" install --classic gradavg --overlay-ports="$ports" \
   --triplet="$triplet" --host-triplet="$triplet" --binarysource=clear \
   --x-install-root="$installed" --x-buildtrees-root="$work/buildtrees" --x-packages-root="$work/packages"
 say "   installed in $((SECONDS - t)) s"
@@ -97,5 +120,5 @@ PKG_CONFIG_LIBDIR=$tree/share/pkgconfig:$tree/lib/pkgconfig \
     -P tests/package/pkg_config_consumer.cmake
 say "   pkg-config consumer built and ran in $((SECONDS - t)) s"
 
-say "PASS: vcpkg installed gradavg $version (commit $ref) with eigen3 $eigen_version; the consumer built" \
+say "PASS: vcpkg installed gradavg $version (commit $ref, ${GRADAVG_PORT_SOURCE:-local} source) with eigen3 $eigen_version; the consumer built" \
     "and ran through find_package and through pkg-config, in $((SECONDS - t0)) s"
