@@ -15,7 +15,9 @@
 # Without a vcpkg root it says why it skips and exits 0. Offline, vcpkg must find every download
 # (eigen3's source tarball) in $VCPKG_ROOT/downloads; X_VCPKG_ASSET_SOURCES=x-block-origin makes a
 # missing one fail at once instead of reaching for the network. Build tools (cmake, ninja, a C++20
-# compiler, git, pkg-config) come from PATH (VCPKG_FORCE_SYSTEM_BINARIES=1 unless set).
+# compiler, git, pkg-config) come from PATH (VCPKG_FORCE_SYSTEM_BINARIES=1 unless set); so must
+# patchelf offline (Debian: patchelf), which vcpkg runs over a Linux port's files (here: usage),
+# else downloads.
 # Knobs: GRADAVG_PORT_SOURCE (local or github, above), TRIPLET (default from the machine), WORK
 # (scratch folder, default a new one under /tmp). Into $VCPKG_ROOT, vcpkg and this script write
 # only the port's source archive, under downloads/.
