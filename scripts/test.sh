@@ -85,6 +85,11 @@ stage_arm() {
   run_ctest "$root/aarch64"
 }
 
+# CPU seconds (user + system) used so far by this script's finished child processes.
+cpu_seconds() {
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%d", ($16 + $17) / hz }' "/proc/$$/stat"
+}
+
 timings=()
 stage=""
 trap 'echo "== stage $stage FAILED after $((SECONDS - start))s"' ERR
@@ -95,10 +100,12 @@ for stage in $stages; do
   fi
   echo "== stage $stage"
   start=$SECONDS
+  cpu_start=$(cpu_seconds)
   "stage_$stage"
   elapsed=$((SECONDS - start))
-  timings+=("$(printf '%-9s %4d:%02d' "$stage" $((elapsed / 60)) $((elapsed % 60)))")
-  echo "== stage $stage passed in $((elapsed / 60))m$((elapsed % 60))s"
+  cpu=$(($(cpu_seconds) - cpu_start))
+  timings+=("$(printf '%-9s %3dm%02ds   (%dm%02ds CPU)' "$stage" $((elapsed / 60)) $((elapsed % 60)) $((cpu / 60)) $((cpu % 60)))")
+  echo "== stage $stage passed in $((elapsed / 60))m$((elapsed % 60))s (CPU $((cpu / 60))m$((cpu % 60))s)"
 done
 echo "== all stages passed:"
 printf '   %s\n' "${timings[@]}"
