@@ -67,9 +67,9 @@ endif()
 # (those that instantiate Eigen's gemm or reductions), and only when they are compiled with
 # -march=native on a machine with AVX-512. It cannot hide a warning in gradavg's own code: every
 # gradavg header is also compiled with the full warning set and -Werror, with no suppression,
-# by the tests at SSE2, AVX2 and AVX-512 (the ISA matrix in tests/), and by the Clang build; the
-# suppressed sources themselves build warning-free at SSE2 and AVX2 (ctest builds on machines
-# without AVX-512, and scripts/test.sh's Clang build).
+# by the tests at SSE2, AVX2 and AVX-512 (the ISA matrix in tests/) and by the Clang build; and
+# scripts/test.sh builds the suppressed sources themselves with -Werror and no suppression at
+# SSE2 (the ASan+UBSan stage) and with Clang at the machine's level (the clang stage).
 function(gradavg_suppress_eigen_avx512_warnings)
   if(_gradavg_native_avx512 AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
     set_property(SOURCE ${ARGN} DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR} APPEND
