@@ -7,8 +7,9 @@
 #   GRADAVG_SANITIZE  sanitizers with -fno-sanitize-recover=all: "address,undefined", or "thread"
 #
 # Targets:
-#   gradavg_dev_base_flags  warnings and sanitizers, no instruction-set flag
-#   gradavg_dev_flags       the same plus -march=native when GRADAVG_NATIVE is on
+#   gradavg_dev_sanitize_flags  the sanitizers alone (for third-party code built here)
+#   gradavg_dev_base_flags      warnings and sanitizers, no instruction-set flag
+#   gradavg_dev_flags           the same plus -march=native when GRADAVG_NATIVE is on
 # gradavg_suppress_eigen_avx512_warnings(<target>) is the one place where a warning is turned
 # off; see there.
 if(CMAKE_CROSSCOMPILING)
@@ -25,16 +26,19 @@ if(GRADAVG_SANITIZE MATCHES "thread" AND GRADAVG_SANITIZE MATCHES "address|leak|
                       "address, leak or memory; use address,undefined or thread")
 endif()
 
+add_library(gradavg_dev_sanitize_flags INTERFACE)
+if(GRADAVG_SANITIZE)
+  target_compile_options(gradavg_dev_sanitize_flags INTERFACE
+    -fsanitize=${GRADAVG_SANITIZE} -fno-sanitize-recover=all -fno-omit-frame-pointer)
+  target_link_options(gradavg_dev_sanitize_flags INTERFACE -fsanitize=${GRADAVG_SANITIZE})
+endif()
+
 add_library(gradavg_dev_base_flags INTERFACE)
 target_compile_options(gradavg_dev_base_flags INTERFACE -Wall -Wextra -Wpedantic)
 if(GRADAVG_WERROR)
   target_compile_options(gradavg_dev_base_flags INTERFACE -Werror)
 endif()
-if(GRADAVG_SANITIZE)
-  target_compile_options(gradavg_dev_base_flags INTERFACE
-    -fsanitize=${GRADAVG_SANITIZE} -fno-sanitize-recover=all -fno-omit-frame-pointer)
-  target_link_options(gradavg_dev_base_flags INTERFACE -fsanitize=${GRADAVG_SANITIZE})
-endif()
+target_link_libraries(gradavg_dev_base_flags INTERFACE gradavg_dev_sanitize_flags)
 
 add_library(gradavg_dev_flags INTERFACE)
 target_link_libraries(gradavg_dev_flags INTERFACE gradavg_dev_base_flags)
