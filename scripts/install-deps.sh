@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# Installs what gradavg's build, tests, benchmarks and examples need, from Debian 12's archive.
+# Installs what gradavg's build, tests, benchmarks, examples and scripts/test.sh need, from
+# Debian 12's archive. Every package is named explicitly: the install runs with
+# --no-install-recommends, so nothing a package only recommends comes along.
 # Skips the install when every package is already there. Needs root (or sudo).
 set -euo pipefail
 
 packages=(
-  build-essential cmake pkg-config  # toolchain
+  build-essential cmake ninja-build pkg-config  # toolchain: GCC 12 (and its ASan, UBSan, TSan)
   libeigen3-dev                     # the one dependency of the library
   catch2                            # tests
-  libbenchmark-dev libdnnl-dev      # benchmarks (oneDNN is a peer measured against)
+  libbenchmark-dev                  # benchmarks
+  libdnnl-dev ocl-icd-opencl-dev    # oneDNN peer; its CMake config requires OpenCL's dev package
   python3 python3-matplotlib        # benchmark table and plot
+  clang-14 libclang-rt-14-dev       # Clang build (libstdc++ 12) and its sanitizer runtimes
+  libomp-14-dev                     # OpenMP for the Clang build's test_threads_openmp
+  g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
 )
 
 missing=()

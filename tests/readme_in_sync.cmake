@@ -1,6 +1,7 @@
 # Checks that README.md's first C++ block is examples/readme_main.cpp verbatim and, when PROGRAM
-# is given, that the block after "It prints:" is what that program prints.
-#   cmake -DREADME=... -DSOURCE=... [-DPROGRAM=...] -P readme_in_sync.cmake
+# is given, that the block after "It prints:" is what that program prints (run through EMULATOR,
+# comma-separated, when cross compiling).
+#   cmake -DREADME=... -DSOURCE=... [-DPROGRAM=... [-DEMULATOR=...]] -P readme_in_sync.cmake
 file(READ "${README}" readme)
 file(READ "${SOURCE}" source)
 
@@ -25,7 +26,8 @@ endif()
 
 if(PROGRAM)
   readme_block("It prints:\n\n```\n" shown_output)
-  execute_process(COMMAND "${PROGRAM}" OUTPUT_VARIABLE printed RESULT_VARIABLE rc)
+  string(REPLACE "," ";" EMULATOR "${EMULATOR}")
+  execute_process(COMMAND ${EMULATOR} "${PROGRAM}" OUTPUT_VARIABLE printed RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "${PROGRAM} exited with ${rc}")
   endif()

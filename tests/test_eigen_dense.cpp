@@ -450,7 +450,7 @@ TEMPLATE_TEST_CASE("Eigen: one strided tower among contiguous ones is rejected b
   REQUIRE_THROWS_AS(gradavg::average_gradients(tg), gradavg::shape_error);
 }
 
-TEMPLATE_TEST_CASE("Eigen: outer strides larger than the inner size are rejected; equal ones and single columns are "
+TEMPLATE_TEST_CASE("Eigen: outer strides larger than the inner size are rejected, equal ones and single columns are "
                    "contiguous and averaged",
                    "[eigen][dense][stride]", float, double) {
   using S = TestType;
@@ -477,8 +477,11 @@ TEMPLATE_TEST_CASE("Eigen: outer strides larger than the inner size are rejected
   }
 
   SECTION("outer stride == rows, or a single column with any outer stride: accepted and correct") {
-    for (const auto& [d, stride] : {std::pair{dims{3, 4}, Index{3}}, std::pair{dims{5, 1}, Index{9}},
-                                    std::pair{dims{1, 1}, Index{4}}, std::pair{dims{0, 3}, Index{2}}}) {
+    for (const auto& d_stride : {std::pair{dims{3, 4}, Index{3}}, std::pair{dims{5, 1}, Index{9}},
+                                 std::pair{dims{1, 1}, Index{4}}, std::pair{dims{0, 3}, Index{2}}}) {
+      // Named copies, not structured bindings: lambdas may capture those only from C++20 (Clang 16).
+      const dims d = d_stride.first;
+      const Index stride = d_stride.second;
       CAPTURE(d.rows, d.cols, stride);
       problem<S> p({d}, T, 1, seed_of(d.size(), T, 1, 33));
       const auto tg = make_tower_grads(
@@ -658,7 +661,7 @@ TEMPLATE_TEST_CASE("Eigen: storage order counts only where more than one dimensi
   }
 }
 
-TEST_CASE("Eigen: transposed gradients are row-major views; coefficient (i, j) is the mean of g_k(j, i)",
+TEST_CASE("Eigen: transposed gradients are row-major views: coefficient (i, j) is the mean of g_k(j, i)",
           "[eigen][dense][shape]") {
   using S = double;
   const std::size_t T = 5;
@@ -787,7 +790,7 @@ TEST_CASE("Eigen: the allocating API returns the PlainObject of the gradient typ
   }
 }
 
-TEMPLATE_TEST_CASE("Eigen: variables pair with their means; variables absent on every tower are skipped",
+TEMPLATE_TEST_CASE("Eigen: variables pair with their means, variables absent on every tower are skipped",
                    "[eigen][dense][variables]", float, double) {
   using S = TestType;
   using V = VecX<S>;

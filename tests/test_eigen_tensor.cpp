@@ -446,7 +446,7 @@ TEST_CASE("Eigen::Tensor: layouts are compatible where at most one dimension exc
 
 // ---- Result types and skipped variables. -----------------------------------------------------
 
-TEST_CASE("Eigen::Tensor: results are Eigen::Tensor of the same rank and layout; skipped variables pair correctly",
+TEST_CASE("Eigen::Tensor: results are Eigen::Tensor of the same rank and layout, skipped variables pair correctly",
           "[eigen][tensor][types]") {
   using S = float;
   using G = Eigen::Tensor<S, 3, Eigen::RowMajor>;

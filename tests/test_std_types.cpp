@@ -103,7 +103,7 @@ TEST_CASE("tower ranges: std::array of vectors, vector of spans") {
   CHECK(gradavg::average_gradients(spans).gradients[0].first == grads{3});
 }
 
-TEST_CASE("_into outputs: tensors, spans, pointers; skipped outputs untouched; summary") {
+TEST_CASE("_into outputs: tensors, spans, pointers, skipped outputs untouched, summary") {
   const grads a0{1, 1}, a1{3, 3}, c0{0}, c1{2};
   using entry = std::pair<const grads*, std::string>;
   const std::vector<std::vector<entry>> tg{{{&a0, "a"}, {nullptr, "b"}, {&c0, "c"}},
