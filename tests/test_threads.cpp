@@ -174,7 +174,7 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
   }
 }
 
-TEST_CASE("a pool given with threads left unset runs on all of the pool; threads = 1 stays serial") {
+TEST_CASE("a pool given with threads left unset runs on all of the pool, and threads = 1 stays serial") {
   // 4 towers of 300,000 floats, means and squares: 7.2 MB, worth 6 chunks of 1 MiB.
   const workload w(4, {300000});
   const auto serial = w.run({.threads = 1});
