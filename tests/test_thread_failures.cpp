@@ -38,7 +38,7 @@ constexpr unsigned time_limit_seconds = 60;
 enum : int { passed = 0, wrong_result = 1, limit_not_set = 2, limit_did_not_bite = 3, thread_left = 4 };
 
 /// How many of n threads, all alive at once, can start (they are joined before it returns).
-std::size_t startable_threads(std::size_t n) {
+[[maybe_unused]] std::size_t startable_threads(std::size_t n) {
   std::atomic<bool> release{false};
   std::vector<std::thread> started;
   started.reserve(n);
