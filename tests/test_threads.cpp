@@ -403,3 +403,20 @@ TEST_CASE("chunks run in the caller's floating-point environment, whichever thre
     check_every_executor(w, serial);
   }
 }
+
+TEST_CASE("a task that calls gradavg on the same executor gets the serial result, on every executor") {
+  // A hang here fails through ctest's TIMEOUT; test_thread_failures.cpp runs the thread_pool and
+  // Eigen cases in a child process with a time limit as well.
+  const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
+  const auto serial = w.run({.threads = 1});
+  for (const auto& e : executors_under_test(3)) {
+    INFO(e.name);
+    std::vector<std::pair<std::vector<grads>, std::vector<grads>>> results(6);
+    auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = e.exec}); };
+    e.exec->parallel_for(results.size(), gradavg::task_ref(task));
+    for (const auto& r : results) {
+      CHECK(bitwise_equal(r.first, serial.first));
+      CHECK(bitwise_equal(r.second, serial.second));
+    }
+  }
+}
