@@ -21,8 +21,9 @@ std::atomic<std::size_t> allocations{0};
 void* counted_allocate(std::size_t n, std::size_t alignment) {
   if (counting.load()) allocations.fetch_add(1);
   if (n == 0) n = 1;
-  void* p = alignment <= alignof(std::max_align_t) ? std::malloc(n)
-                                                   : std::aligned_alloc(alignment, (n + alignment - 1) / alignment * alignment);
+  void* p = alignment <= alignof(std::max_align_t)
+                ? std::malloc(n)
+                : std::aligned_alloc(alignment, (n + alignment - 1) / alignment * alignment);
   if (p == nullptr) throw std::bad_alloc();
   return p;
 }
@@ -102,6 +103,7 @@ TEST_CASE("average_gradients_into allocates nothing on a pool, on any of its thr
   for (gradavg::executor* exec : std::initializer_list<gradavg::executor*>{&pool, &eigen}) {
     gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec});  // the first call may start things
     CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec}); }) == 0);
-    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 2, .pool = exec}); }) == 0);
+    CHECK(allocations_during(
+              [&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 2, .pool = exec}); }) == 0);
   }
 }

@@ -122,7 +122,8 @@ template <>
 struct gradavg::tensor_traits<user::fragile_tensor> {
   using value_type = float;
   static const float* data(const user::fragile_tensor& t) {
-    if (t.armed->load() || (t.only_thread_allowed != std::thread::id() && std::this_thread::get_id() != t.only_thread_allowed))
+    if (t.armed->load() ||
+        (t.only_thread_allowed != std::thread::id() && std::this_thread::get_id() != t.only_thread_allowed))
       throw std::runtime_error("tensor storage unavailable");
     return t.values->data();
   }
@@ -144,8 +145,8 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
     for (const auto& tower : w.data) ptrs.push_back(tower[i].data());
     const std::size_t n = w.data[0][i].size();
     const gradavg_test::reference<float> want(ptrs, n);
-    CHECK(gradavg_test::first_mismatch(serial.first[i].data(), want.mean, gradavg_test::magnitude<float>(ptrs, n, false),
-                                       5) == n);
+    CHECK(gradavg_test::first_mismatch(serial.first[i].data(), want.mean,
+                                       gradavg_test::magnitude<float>(ptrs, n, false), 5) == n);
     CHECK(gradavg_test::first_mismatch(serial.second[i].data(), want.square,
                                        gradavg_test::magnitude<float>(ptrs, n, true), 5) == n);
   }
@@ -318,8 +319,8 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
     armed = false;
     arming_executor arming(*e.exec, armed);
     std::vector<std::vector<float>> means{std::vector<float>(n)};
-    const std::string message =
-        gradavg_test::message_of<std::runtime_error>([&] { gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = &arming}); });
+    const std::string message = gradavg_test::message_of<std::runtime_error>(
+        [&] { gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = &arming}); });
     CHECK(message == "tensor storage unavailable");
     armed = false;  // the executor serves the next call as before
     gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = e.exec});
@@ -330,8 +331,8 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
   // throw on their own threads.
   const auto caller_only = towers_of(std::this_thread::get_id());
   std::vector<std::vector<float>> means{std::vector<float>(n)};
-  const std::string message =
-      gradavg_test::message_of<std::runtime_error>([&] { gradavg::average_gradients_into(caller_only, means, {.threads = 4}); });
+  const std::string message = gradavg_test::message_of<std::runtime_error>(
+      [&] { gradavg::average_gradients_into(caller_only, means, {.threads = 4}); });
   CHECK(message == "tensor storage unavailable");
 }
 

@@ -24,11 +24,9 @@ inline constexpr std::size_t min_chunk_bytes = std::size_t{1} << 20;
 
 /// The thread count that options ask for (see options::threads).
 inline std::size_t requested_threads(const options& opts) noexcept {
-  if (opts.threads == default_threads) return opts.pool != nullptr ? std::max<std::size_t>(1, opts.pool->concurrency()) : 1;
-  if (opts.threads == 0)
-    return opts.pool != nullptr ? std::max<std::size_t>(1, opts.pool->concurrency())
-                                : std::max(1u, std::thread::hardware_concurrency());
-  return opts.threads;
+  if (opts.threads != default_threads && opts.threads != 0) return opts.threads;
+  if (opts.pool != nullptr) return std::max<std::size_t>(1, opts.pool->concurrency());
+  return opts.threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : 1;
 }
 
 /// How many chunks a call over total elements, each moving bytes_per_element, splits into: at
