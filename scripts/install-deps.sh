@@ -14,6 +14,7 @@ packages=(
   python3 python3-matplotlib        # benchmark table and plot
   clang-14 libclang-rt-14-dev       # Clang build (libstdc++ 12) and its sanitizer runtimes
   libomp-14-dev                     # OpenMP for the Clang build's test_threads_openmp
+  libtbb-dev                        # oneTBB: test_threads_tbb (gradavg/tbb.hpp)
   g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
 )
 

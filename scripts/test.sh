@@ -73,8 +73,9 @@ stage_tsan() {
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=thread -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
-  build "$root/tsan" test_threads
-  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 run_ctest "$root/tsan" -R "^test_threads:"
+  build "$root/tsan" test_threads test_thread_failures
+  TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures): "
 }
 
 stage_arm() {

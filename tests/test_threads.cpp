@@ -1,51 +1,42 @@
 // Threads: results are bitwise identical for any thread count and executor; many small
-// variables share one fork/join. Built twice: without OpenMP and, when found, with OpenMP,
-// where gradavg::openmp_executor is tested too.
+// variables share one fork/join; user exceptions from any thread reach the caller after every
+// task has finished; chunks run in the caller's floating-point environment. Built without
+// OpenMP and, when found, with OpenMP (gradavg::openmp_executor tested too) and with oneTBB
+// (GRADAVG_TEST_TBB: gradavg::tbb_executor tested too). Every executor goes through the same
+// cases; nested use and thread start failures are in test_thread_failures.cpp.
+#include <gradavg/eigen_thread_pool.hpp>
 #include <gradavg/gradavg.hpp>
+#if defined(_OPENMP)
+#include <gradavg/openmp.hpp>
+#endif
+#if defined(GRADAVG_TEST_TBB)
+#include <gradavg/tbb.hpp>
+#include <oneapi/tbb/info.h>
+#endif
 
+#include <algorithm>
 #include <atomic>
+#include <cfenv>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "catch.hpp"
+#include "fp_modes.hpp"
 #include "reference.hpp"
 #include "support.hpp"
+#include "workload.hpp"
 
 namespace {
 
-using grads = std::vector<float>;
-
-/// Towers over variables of awkward sizes, larger in total than several chunks.
-struct workload {
-  std::vector<std::vector<grads>> data;  // [tower][variable]
-  std::vector<std::vector<std::pair<const grads*, int>>> tg;
-
-  workload(std::size_t towers, const std::vector<std::size_t>& sizes) : data(towers), tg(towers) {
-    for (std::size_t k = 0; k < towers; ++k)
-      for (std::size_t i = 0; i < sizes.size(); ++i)
-        data[k].push_back(gradavg_test::random_values<float>(sizes[i], static_cast<std::uint32_t>(1000 * k + i)));
-    for (std::size_t k = 0; k < towers; ++k)
-      for (std::size_t i = 0; i < sizes.size(); ++i) tg[k].push_back({&data[k][i], static_cast<int>(i)});
-  }
-
-  std::pair<std::vector<grads>, std::vector<grads>> run(const gradavg::options& opts) const {
-    std::vector<grads> means, squares;
-    for (const auto& g : data[0]) {
-      means.push_back(grads(g.size(), -1.0f));
-      squares.push_back(grads(g.size(), -1.0f));
-    }
-    gradavg::average_gradients_into(tg, means, squares, opts);
-    return {means, squares};
-  }
-};
-
-bool bitwise_equal(const std::vector<grads>& a, const std::vector<grads>& b) {
-  if (a.size() != b.size()) return false;
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || !gradavg_test::same_bits(a[i].data(), b[i].data(), a[i].size())) return false;
-  return true;
-}
+using gradavg_test::bitwise_equal;
+using gradavg_test::grads;
+using gradavg_test::workload;
 
 /// An executor that records how it is used, running tasks on the calling thread.
 struct counting_executor final : gradavg::executor {
@@ -58,7 +49,91 @@ struct counting_executor final : gradavg::executor {
   }
 };
 
+/// An executor of this build, with what it runs on.
+struct executor_under_test {
+  std::string name;
+  std::shared_ptr<void> owned;
+  gradavg::executor* exec;
+};
+
+/// Every executor this build has; those that take a size get `threads`. Each has run once, so
+/// pools that start their threads lazily have started them.
+std::vector<executor_under_test> executors_under_test(std::size_t threads) {
+  std::vector<executor_under_test> all;
+  auto pool = std::make_shared<gradavg::thread_pool>(threads);
+  all.push_back({"thread_pool", pool, pool.get()});
+  struct eigen_backed {
+    Eigen::ThreadPool pool;
+    gradavg::eigen_thread_pool_executor exec{pool};
+    explicit eigen_backed(int n) : pool(n) {}
+  };
+  auto eigen = std::make_shared<eigen_backed>(static_cast<int>(threads));
+  all.push_back({"eigen_thread_pool_executor", eigen, &eigen->exec});
+#if defined(_OPENMP)
+  auto omp = std::make_shared<gradavg::openmp_executor>();
+  all.push_back({"openmp_executor", omp, omp.get()});
+#endif
+#if defined(GRADAVG_TEST_TBB)
+  struct tbb_backed {
+    tbb::task_arena arena;
+    gradavg::tbb_executor exec{arena};
+    explicit tbb_backed(int n) : arena(n) {}
+  };
+  // No more than TBB's workers can fill: tasks that wait for each other need them all at once.
+  const int tbb_threads = std::min(static_cast<int>(threads), tbb::info::default_concurrency());
+  auto tbb = std::make_shared<tbb_backed>(tbb_threads);
+  all.push_back({"tbb_executor", tbb, &tbb->exec});
+#endif
+  for (auto& e : all) {
+    std::atomic<std::size_t> ran{0};
+    auto count = [&ran](std::size_t) { ran.fetch_add(1); };
+    e.exec->parallel_for(e.exec->concurrency(), gradavg::task_ref(count));
+    REQUIRE(ran.load() == e.exec->concurrency());
+  }
+  return all;
+}
+
+/// Forwards to another executor, first arming a switch (validation has passed by then).
+struct arming_executor final : gradavg::executor {
+  gradavg::executor* inner;
+  std::atomic<bool>* armed;
+  arming_executor(gradavg::executor& e, std::atomic<bool>& a) : inner(&e), armed(&a) {}
+  std::size_t concurrency() const noexcept override { return inner->concurrency(); }
+  void parallel_for(std::size_t n, gradavg::task_ref task) override {
+    armed->store(true);
+    inner->parallel_for(n, task);
+  }
+};
+
 }  // namespace
+
+namespace user {
+
+/// A view of a framework's tensor whose storage can fail to map: data() then throws.
+struct fragile_tensor {
+  const std::vector<float>* values;
+  const std::atomic<bool>* armed;       // throw on every thread
+  std::thread::id only_thread_allowed;  // if set, throw on every other thread
+};
+
+}  // namespace user
+
+template <>
+struct gradavg::tensor_traits<user::fragile_tensor> {
+  using value_type = float;
+  static const float* data(const user::fragile_tensor& t) {
+    if (t.armed->load() ||
+        (t.only_thread_allowed != std::thread::id() && std::this_thread::get_id() != t.only_thread_allowed))
+      throw std::runtime_error("tensor storage unavailable");
+    return t.values->data();
+  }
+  static gradavg::shape shape(const user::fragile_tensor& t) noexcept {
+    gradavg::shape s;
+    s.rank = 1;
+    s.dims[0] = static_cast<std::int64_t>(t.values->size());
+    return s;
+  }
+};
 
 TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executor") {
   const workload w(5, {3, 100003, 17, 250001, 1, 65536, 0, 40000});
@@ -70,34 +145,54 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
     for (const auto& tower : w.data) ptrs.push_back(tower[i].data());
     const std::size_t n = w.data[0][i].size();
     const gradavg_test::reference<float> want(ptrs, n);
-    CHECK(gradavg_test::first_mismatch(serial.first[i].data(), want.mean, gradavg_test::magnitude<float>(ptrs, n, false),
-                                       5) == n);
+    CHECK(gradavg_test::first_mismatch(serial.first[i].data(), want.mean,
+                                       gradavg_test::magnitude<float>(ptrs, n, false), 5) == n);
     CHECK(gradavg_test::first_mismatch(serial.second[i].data(), want.square,
                                        gradavg_test::magnitude<float>(ptrs, n, true), 5) == n);
   }
 
-  gradavg::thread_pool pool(3);
+  const auto executors = executors_under_test(3);
   for (std::size_t threads : {1, 2, 3, 8}) {
     INFO("threads = " << threads);
     const auto started = w.run({.threads = threads});  // threads started for the call
     CHECK(bitwise_equal(started.first, serial.first));
     CHECK(bitwise_equal(started.second, serial.second));
-    const auto pooled = w.run({.threads = threads, .pool = &pool});
-    CHECK(bitwise_equal(pooled.first, serial.first));
-    CHECK(bitwise_equal(pooled.second, serial.second));
+    for (const auto& e : executors) {
+      INFO(e.name);
+      const auto pooled = w.run({.threads = threads, .pool = e.exec});
+      CHECK(bitwise_equal(pooled.first, serial.first));
+      CHECK(bitwise_equal(pooled.second, serial.second));
+    }
     counting_executor counting;
     const auto counted = w.run({.threads = threads, .pool = &counting});
     CHECK(bitwise_equal(counted.first, serial.first));
     CHECK(counting.tasks == (threads == 1 ? 0u : threads));
-#if defined(_OPENMP)
-    gradavg::openmp_executor omp;
-    const auto with_omp = w.run({.threads = threads, .pool = &omp});
-    CHECK(bitwise_equal(with_omp.first, serial.first));
-    CHECK(bitwise_equal(with_omp.second, serial.second));
-#endif
   }
-  const auto all = w.run({.threads = 0, .pool = &pool});
-  CHECK(bitwise_equal(all.first, serial.first));
+  for (const auto& e : executors) {
+    INFO(e.name);
+    CHECK(bitwise_equal(w.run({.threads = 0, .pool = e.exec}).first, serial.first));
+    CHECK(bitwise_equal(w.run({.pool = e.exec}).first, serial.first));
+  }
+}
+
+TEST_CASE("a pool given with threads left unset runs on all of the pool, and threads = 1 stays serial") {
+  // 4 towers of 300,000 floats, means and squares: 7.2 MB, worth 6 chunks of 1 MiB.
+  const workload w(4, {300000});
+  const auto serial = w.run({.threads = 1});
+  counting_executor counting;  // concurrency 4
+  const auto counted = w.run({.pool = &counting});
+  CHECK(counting.calls == 1);
+  CHECK(counting.tasks == 4);
+  CHECK(bitwise_equal(counted.first, serial.first));
+  CHECK(bitwise_equal(counted.second, serial.second));
+  counting_executor told_serial;
+  w.run({.threads = 1, .pool = &told_serial});
+  CHECK(told_serial.calls == 0);
+  // The allocating API reads the same options.
+  counting_executor allocating;
+  const auto result = gradavg::average_gradients(w.tg, {.pool = &allocating});
+  CHECK(allocating.calls == 1);
+  CHECK(result.gradients[0].first == serial.first[0]);
 }
 
 TEST_CASE("many small variables share one fork/join") {
@@ -161,4 +256,168 @@ TEST_CASE("thread_pool of one runs on the caller") {
   auto task = [&hits](std::size_t i) { ++hits[i]; };
   pool.parallel_for(10, gradavg::task_ref(task));
   CHECK(hits == std::vector<int>(10, 1));
+}
+
+TEST_CASE("a task that throws reaches the caller after every started task has returned, on every executor") {
+  for (const auto& e : executors_under_test(3)) {
+    const std::size_t n = e.exec->concurrency();
+    if (n < 2) continue;  // OpenMP on one core: nothing runs concurrently
+    for (const bool on_caller : {true, false}) {
+      INFO(e.name << (on_caller ? ": thrown on the calling thread" : ": thrown on the other threads"));
+      // n tasks that wait for each other, so every thread runs one; then some throw while the
+      // others are still running.
+      const auto caller = std::this_thread::get_id();
+      std::atomic<std::size_t> arrived{0}, returned{0}, threw{0};
+      auto task = [&](std::size_t) {
+        arrived.fetch_add(1);
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+        while (arrived.load() < n && std::chrono::steady_clock::now() < give_up) std::this_thread::yield();
+        if ((std::this_thread::get_id() == caller) == on_caller) {
+          threw.fetch_add(1);
+          throw std::runtime_error("task failed");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        returned.fetch_add(1);
+      };
+      std::string message;
+      try {
+        e.exec->parallel_for(n, gradavg::task_ref(task));
+      } catch (const std::runtime_error& error) {
+        message = error.what();
+      }
+      CHECK(message == "task failed");
+      CHECK(threw.load() >= 1);
+      CHECK(returned.load() + threw.load() == arrived.load());
+
+      // The executor serves the next call as before.
+      std::vector<std::atomic<int>> hits(64);
+      auto count = [&hits](std::size_t i) { hits[i].fetch_add(1); };
+      e.exec->parallel_for(hits.size(), gradavg::task_ref(count));
+      for (const auto& h : hits) CHECK(h.load() == 1);
+    }
+  }
+}
+
+TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller, whichever thread ran it") {
+  const std::size_t towers = 4;
+  const std::size_t n = 400000;  // means only: 20 bytes per element, 8 MB, worth 7 chunks
+  std::vector<std::vector<float>> data;
+  for (std::size_t k = 0; k < towers; ++k)
+    data.push_back(gradavg_test::random_values<float>(n, static_cast<std::uint32_t>(k + 7)));
+  std::atomic<bool> armed{false};
+  auto towers_of = [&](std::thread::id only) {
+    std::vector<std::vector<std::pair<user::fragile_tensor, int>>> tg(towers);
+    for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({user::fragile_tensor{&data[k], &armed, only}, 0});
+    return tg;
+  };
+  const auto tg = towers_of({});
+  std::vector<std::vector<float>> serial{std::vector<float>(n)};
+  gradavg::average_gradients_into(tg, serial, {.threads = 1});
+
+  for (const auto& e : executors_under_test(4)) {
+    INFO(e.name);
+    armed = false;
+    arming_executor arming(*e.exec, armed);
+    std::vector<std::vector<float>> means{std::vector<float>(n)};
+    const std::string message = gradavg_test::message_of<std::runtime_error>(
+        [&] { gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = &arming}); });
+    CHECK(message == "tensor storage unavailable");
+    armed = false;  // the executor serves the next call as before
+    gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = e.exec});
+    CHECK(bitwise_equal(means, serial));
+  }
+
+  // Threads started for the call: chunk 0 runs on the caller, where data() works; the others
+  // throw on their own threads.
+  const auto caller_only = towers_of(std::this_thread::get_id());
+  std::vector<std::vector<float>> means{std::vector<float>(n)};
+  const std::string message = gradavg_test::message_of<std::runtime_error>(
+      [&] { gradavg::average_gradients_into(caller_only, means, {.threads = 4}); });
+  CHECK(message == "tensor storage unavailable");
+}
+
+TEST_CASE("an executor that fails, or returns before running every task, is reported") {
+  const workload w(4, {300000});
+  struct failing_executor final : gradavg::executor {
+    std::size_t concurrency() const noexcept override { return 4; }
+    void parallel_for(std::size_t, gradavg::task_ref) override { throw std::runtime_error("executor shut down"); }
+  } failing;
+  CHECK(gradavg_test::message_of<std::runtime_error>([&] { w.run({.pool = &failing}); }) == "executor shut down");
+  struct lazy_executor final : gradavg::executor {
+    std::size_t concurrency() const noexcept override { return 4; }
+    void parallel_for(std::size_t n, gradavg::task_ref task) override {
+      for (std::size_t i = 0; i + 1 < n; ++i) task(i);  // drops the last task
+    }
+  } lazy;
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &lazy}); }),
+                               "without running every task"));
+}
+
+TEST_CASE("chunks run in the caller's floating-point environment, whichever thread runs them") {
+  // The pools start their threads before the caller changes its modes.
+  const auto executors = executors_under_test(4);
+  const std::size_t towers = 3;
+  const std::size_t n = 700001;  // means and squares: 20 bytes per element, 14 MB
+
+  auto check_every_executor = [&](const workload& w, const std::pair<std::vector<grads>, std::vector<grads>>& serial) {
+    for (std::size_t threads : {2, 3, 4}) {
+      INFO("threads = " << threads);
+      const auto started = w.run({.threads = threads});
+      CHECK(bitwise_equal(started.first, serial.first));
+      CHECK(bitwise_equal(started.second, serial.second));
+      for (const auto& e : executors) {
+        INFO(e.name);
+        const auto pooled = w.run({.threads = threads, .pool = e.exec});
+        CHECK(bitwise_equal(pooled.first, serial.first));
+        CHECK(bitwise_equal(pooled.second, serial.second));
+      }
+    }
+  };
+
+  SECTION("flush to zero, denormals as zero") {
+    if (!gradavg_test::flush_denormals::supported) return;
+    workload w(towers, {n});
+    for (auto& tower : w.data)
+      for (std::size_t j = 0; j < n; ++j) tower[0][j] = std::ldexp(1.0f + static_cast<float>(j % 7), -135);  // denormal
+    const gradavg_test::flush_denormals ftz;
+    const auto serial = w.run({.threads = 1});
+    // Denormal inputs read as zero: every mean and square is +0.
+    const std::vector<grads> zeros{grads(n, 0.0f)};
+    CHECK(bitwise_equal(serial.first, zeros));
+    CHECK(bitwise_equal(serial.second, zeros));
+    check_every_executor(w, serial);
+  }
+
+  SECTION("rounding upward") {
+    const workload w(towers, {n});
+    const gradavg_test::round_upward upward;
+    const auto serial = w.run({.threads = 1});
+    // The mean by its definition, in the same rounding mode: summed in tower order, divided by T.
+    std::size_t mismatches = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      volatile float sum = w.data[0][0][j];
+      for (std::size_t k = 1; k < towers; ++k) sum = sum + w.data[k][0][j];
+      const float mean = sum / static_cast<float>(towers);
+      if (!gradavg_test::same_bits(&mean, &serial.first[0][j], 1)) ++mismatches;
+    }
+    CHECK(mismatches == 0);
+    check_every_executor(w, serial);
+  }
+}
+
+TEST_CASE("a task that calls gradavg on the same executor gets the serial result, on every executor") {
+  // A hang here fails through ctest's TIMEOUT; test_thread_failures.cpp runs the thread_pool and
+  // Eigen cases in a child process with a time limit as well.
+  const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
+  const auto serial = w.run({.threads = 1});
+  for (const auto& e : executors_under_test(3)) {
+    INFO(e.name);
+    std::vector<std::pair<std::vector<grads>, std::vector<grads>>> results(6);
+    auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = e.exec}); };
+    e.exec->parallel_for(results.size(), gradavg::task_ref(task));
+    for (const auto& r : results) {
+      CHECK(bitwise_equal(r.first, serial.first));
+      CHECK(bitwise_equal(r.second, serial.second));
+    }
+  }
 }

@@ -22,7 +22,10 @@
 
 namespace gradavg {
 
-/// Runs tasks in an OpenMP parallel loop (static schedule) on OpenMP's thread pool.
+/// Runs tasks in an OpenMP parallel loop (static schedule) on OpenMP's thread pool. An exception
+/// from a task cannot leave an OpenMP region: the first one is kept, the tasks not yet started
+/// are skipped, and it is rethrown after the region. Nested use (a task calling parallel_for)
+/// opens a nested region, which OpenMP runs on one thread unless nesting is enabled.
 class openmp_executor final : public executor {
  public:
   [[nodiscard]] std::size_t concurrency() const noexcept override {
@@ -31,8 +34,17 @@ class openmp_executor final : public executor {
   void parallel_for(std::size_t n, task_ref task) override {
     const auto count = static_cast<long long>(n);
     const int threads = static_cast<int>(std::min<std::size_t>(n, concurrency()));
+    executor_detail::first_exception error;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long long i = 0; i < count; ++i) task(static_cast<std::size_t>(i));
+    for (long long i = 0; i < count; ++i) {
+      if (error.failed()) continue;
+      try {
+        task(static_cast<std::size_t>(i));
+      } catch (...) {
+        error.capture();
+      }
+    }
+    error.rethrow_if_any();
   }
 };
 

@@ -4,10 +4,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace gradavg {
 
 class executor;
+
+/// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
+inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
 
 /// How thoroughly average_gradients_into checks outputs for overlap with inputs and each other.
 enum class alias_check : std::uint8_t {
@@ -28,10 +32,12 @@ struct options {
   /// Overlap checks in average_gradients_into (outputs of the allocating API never overlap).
   alias_check aliasing = alias_check::same_variable;
 
-  /// Threads one call may use: 1 (default) runs on the calling thread only — training code often
-  /// calls this while its other cores are busy, so using them is the caller's decision. 0 means
-  /// pool->concurrency() with a pool, else std::thread::hardware_concurrency(). See executor.hpp.
-  std::size_t threads = 1;
+  /// Threads one call may use. Left at default_threads: all of pool's (pool->concurrency()) when
+  /// a pool is given, else 1 — the calling thread only: training code often calls this while its
+  /// other cores are busy, so starting threads is the caller's decision. 1: the calling thread
+  /// only, even with a pool. 0: all of pool's, else std::thread::hardware_concurrency().
+  /// See executor.hpp.
+  std::size_t threads = default_threads;
 
   /// Write outputs with non-temporal (streaming) stores where the target has them: they bypass
   /// the caches, which pays when the outputs are larger than the last-level cache and are not

@@ -1,0 +1,109 @@
+// average_gradients_into allocates nothing on the calling thread nor on a pool's threads, with
+// threads = 1 or with a pool (README: "What allocates"). Global operator new is replaced here by
+// one that counts, in every thread, while a window is open.
+#include <gradavg/eigen_thread_pool.hpp>
+#include <gradavg/gradavg.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "catch.hpp"
+#include "workload.hpp"
+
+namespace {
+
+std::atomic<bool> counting{false};
+std::atomic<std::size_t> allocations{0};
+
+void* counted_allocate(std::size_t n, std::size_t alignment) {
+  if (counting.load()) allocations.fetch_add(1);
+  if (n == 0) n = 1;
+  void* p = alignment <= alignof(std::max_align_t)
+                ? std::malloc(n)
+                : std::aligned_alloc(alignment, (n + alignment - 1) / alignment * alignment);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+
+/// Out of line, so the compiler does not pair an inlined free() with operator new and warn.
+[[gnu::noinline]] void counted_release(void* p) noexcept { std::free(p); }
+
+/// How many times operator new ran, on any thread, while f ran.
+template <class F>
+std::size_t allocations_during(F&& f) {
+  allocations = 0;
+  counting = true;
+  f();
+  counting = false;
+  return allocations.load();
+}
+
+}  // namespace
+
+void* operator new(std::size_t n) { return counted_allocate(n, 0); }
+void* operator new[](std::size_t n) { return counted_allocate(n, 0); }
+void* operator new(std::size_t n, std::align_val_t a) { return counted_allocate(n, static_cast<std::size_t>(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counted_allocate(n, static_cast<std::size_t>(a)); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  try {
+    return counted_allocate(n, 0);
+  } catch (...) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
+void operator delete(void* p) noexcept { counted_release(p); }
+void operator delete[](void* p) noexcept { counted_release(p); }
+void operator delete(void* p, std::size_t) noexcept { counted_release(p); }
+void operator delete[](void* p, std::size_t) noexcept { counted_release(p); }
+void operator delete(void* p, std::align_val_t) noexcept { counted_release(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { counted_release(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { counted_release(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { counted_release(p); }
+
+TEST_CASE("the counter sees allocations on any thread") {
+  CHECK(allocations_during([] {
+          void* volatile p = ::operator new(16);  // volatile: neither call is optimised away
+          ::operator delete(p);
+        }) == 1);
+  const gradavg_test::workload w(4, {300000});  // 7.2 MB, worth 6 chunks
+  auto means = w.outputs(), squares = w.outputs();
+  // Threads started for the call allocate (README: "What allocates").
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 4}); }) > 0);
+}
+
+TEST_CASE("average_gradients_into allocates nothing with threads = 1") {
+  const gradavg_test::workload w(3, {1, 100, 7, 4096, 300000, 0, 33});
+  auto means = w.outputs(), squares = w.outputs();
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares); }) == 0);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means); }) == 0);
+  for (const auto check : {gradavg::alias_check::same_variable, gradavg::alias_check::none}) {
+    INFO("alias check " << static_cast<int>(check));
+    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.aliasing = check}); }) == 0);
+  }
+  // In place into tower 0's gradients.
+  auto towers = w.data;
+  std::vector<std::vector<std::pair<gradavg_test::grads*, int>>> tg(towers.size());
+  for (std::size_t k = 0; k < towers.size(); ++k)
+    for (std::size_t i = 0; i < towers[k].size(); ++i) tg[k].push_back({&towers[k][i], static_cast<int>(i)});
+  std::vector<gradavg_test::grads*> in_place;
+  for (auto& g : towers[0]) in_place.push_back(&g);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(tg, in_place); }) == 0);
+}
+
+TEST_CASE("average_gradients_into allocates nothing on a pool, on any of its threads") {
+  const gradavg_test::workload w(4, {300000, 5, 250000});  // worth 10 chunks
+  auto means = w.outputs(), squares = w.outputs();
+  gradavg::thread_pool pool(3);
+  Eigen::ThreadPool eigen_pool(3);
+  gradavg::eigen_thread_pool_executor eigen(eigen_pool);
+  for (gradavg::executor* exec : std::initializer_list<gradavg::executor*>{&pool, &eigen}) {
+    gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec});  // the first call may start things
+    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec}); }) == 0);
+    CHECK(allocations_during(
+              [&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 2, .pool = exec}); }) == 0);
+  }
+}
