@@ -118,7 +118,7 @@ void average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr
         const auto g = read_gradient(tg, 0, i);
         return g.present ? g.dims.size() : 0;
       },
-      [&tg](std::size_t i, std::size_t k) { return read_gradient(tg, k, i).data; }, mean_ptr, square_ptr,
+      [&tg](std::size_t i, std::size_t k) { return gradient_data(tg, k, i); }, mean_ptr, square_ptr,
       with_squares, opts);
 }
 

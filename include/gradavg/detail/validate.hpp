@@ -9,9 +9,12 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
+#include <cstdint>
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <ranges>
 #include <sstream>
@@ -96,10 +99,13 @@ inline constexpr bool gradients_outlive_reads = !slots_held_by_value<TG> || borr
   "std::optional of one; a tensor type of your own is a view when its tensor_traits say "                        \
   "`static constexpr bool view = true;`"
 
+/// Inlined into the per-entry loops: called for every entry of every call.
+#define GRADAVG_HOT_ [[gnu::always_inline]] inline
+
 /// Calls f(entry) with tower k's entry i (and the tower it came from) alive for the call. f returns
 /// a value that does not refer into the entry.
 template <class TG, class F>
-constexpr auto with_entry(const TG& tg, std::size_t k, std::size_t i, F&& f) {
+GRADAVG_HOT_ constexpr auto with_entry(const TG& tg, std::size_t k, std::size_t i, F&& f) {
   auto&& tower = at(tg, k);
   auto&& e = at(tower, i);
   return std::forward<F>(f)(std::as_const(e));
@@ -120,7 +126,7 @@ struct gradient_read {
 };
 
 template <class TG>
-gradient_read<tensor_value_t<gradient_tensor_t<TG>>> read_gradient(const entry_t<TG>& e) {
+GRADAVG_HOT_ gradient_read<tensor_value_t<gradient_tensor_t<TG>>> read_gradient(const entry_t<TG>& e) {
   using G = gradient_tensor_t<TG>;
   gradient_read<tensor_value_t<G>> r;
   auto&& s = entry_traits<entry_t<TG>>::gradient(e);
@@ -134,8 +140,18 @@ gradient_read<tensor_value_t<gradient_tensor_t<TG>>> read_gradient(const entry_t
 }
 
 template <class TG>
-auto read_gradient(const TG& tg, std::size_t tower, std::size_t i) {
+GRADAVG_HOT_ auto read_gradient(const TG& tg, std::size_t tower, std::size_t i) {
   return with_entry(tg, tower, i, [](const entry_t<TG>& e) { return read_gradient<TG>(e); });
+}
+
+/// Tower k's gradient of variable i's first element; the caller has checked that it is present.
+template <class TG>
+GRADAVG_HOT_ auto gradient_data(const TG& tg, std::size_t tower, std::size_t i) {
+  using G = gradient_tensor_t<TG>;
+  return with_entry(tg, tower, i, [](const entry_t<TG>& e) -> const tensor_value_t<G>* {
+    auto&& s = entry_traits<entry_t<TG>>::gradient(e);
+    return tensor_traits<G>::data(slot_get(s));
+  });
 }
 
 /// A copy of tower 0's variable i.
@@ -317,7 +333,7 @@ struct output_read {
 };
 
 template <class Outputs>
-auto read_output(Outputs& outputs, std::size_t i) {
+GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
   using O = output_tensor_t<Outputs&>;
   output_read<tensor_value_t<O>> r;
   auto&& s = at(outputs, i);
@@ -389,13 +405,44 @@ template <class TG>
                        a.variable);
 }
 
+/// Sorts ranges by start address. With scratch (room for count more), large inputs are radix
+/// sorted on the address bits that differ between them (8 at a time, O(N) per pass: a few
+/// passes for buffers within a few GiB of each other); otherwise std::sort, O(N log N).
+inline void sort_by_address(tagged_range* ranges, std::size_t count, tagged_range* scratch) {
+  auto key = [](const tagged_range& r) { return reinterpret_cast<std::uintptr_t>(r.bytes.first); };
+  if (scratch == nullptr || count < 128) {
+    std::sort(ranges, ranges + count, [&key](const tagged_range& a, const tagged_range& b) { return key(a) < key(b); });
+    return;
+  }
+  std::uintptr_t all = ~std::uintptr_t{0}, any = 0;
+  for (std::size_t n = 0; n < count; ++n) {
+    all &= key(ranges[n]);
+    any |= key(ranges[n]);
+  }
+  const std::uintptr_t varying = all ^ any;
+  if (varying == 0) return;
+  constexpr int digit_bits = 8;
+  tagged_range* from = ranges;
+  tagged_range* to = scratch;
+  const int end = static_cast<int>(std::bit_width(varying));
+  for (int shift = std::countr_zero(varying); shift < end; shift += digit_bits) {
+    std::size_t start[(1 << digit_bits) + 1] = {};
+    auto digit = [&](const tagged_range& r) { return (key(r) >> shift) & ((1u << digit_bits) - 1); };
+    for (std::size_t n = 0; n < count; ++n) ++start[digit(from[n]) + 1];
+    for (std::size_t d = 1; d <= (1 << digit_bits); ++d) start[d] += start[d - 1];
+    for (std::size_t n = 0; n < count; ++n) to[start[digit(from[n])]++] = from[n];
+    std::swap(from, to);
+  }
+  if (from != ranges) std::copy(from, from + count, ranges);
+}
+
 /// Sorts the ranges by address and sweeps them once: throws for the first overlap that involves
-/// an output (gradients may overlap one another: they are only read). O(N log N).
+/// an output (gradients may overlap one another: they are only read). `scratch`: room for count
+/// more ranges, or null.
 template <class TG>
-void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count) {
+void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagged_range* scratch) {
   const std::less<const std::byte*> before;
-  std::sort(ranges, ranges + count,
-            [&before](const tagged_range& a, const tagged_range& b) { return before(a.bytes.first, b.bytes.first); });
+  sort_by_address(ranges, count, scratch);
   // The range reaching furthest among all seen so far, and among the outputs seen so far: a
   // range overlaps an earlier one exactly when it starts before the furthest earlier end.
   const tagged_range* furthest = nullptr;
@@ -421,7 +468,11 @@ struct layout_writer {
 
   void put(const byte_range& r) noexcept {
     if (slots == nullptr) return;
-    same = same && slots[count] == r;
+    if (same && slots[count] == r) {  // a repeated layout is only read, not written again
+      ++count;
+      return;
+    }
+    same = false;  // from here on the old ranges are not read (uninitialised in stack scratch)
     slots[count++] = r;
   }
 };
@@ -454,8 +505,8 @@ inline constexpr std::size_t stack_ranges = 256;
 struct check_scratch {
   std::array<byte_range, stack_ranges> layout;
   std::array<tagged_range, stack_ranges> tagged;
-  std::vector<byte_range> heap_layout;
-  std::vector<tagged_range> heap_tagged;
+  std::unique_ptr<byte_range[]> heap_layout;  // new T[n]: left uninitialised, like the arrays
+  std::unique_ptr<tagged_range[]> heap_tagged;
 };
 
 /// What validate_into found: the counts, and the layout the kernel may read pointers from.
@@ -503,8 +554,8 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   } else if (slots <= stack_ranges) {
     layout.slots = scratch.layout.data();
   } else if (full) {
-    scratch.heap_layout.resize(slots);
-    layout.slots = scratch.heap_layout.data();
+    scratch.heap_layout.reset(new byte_range[slots]);
+    layout.slots = scratch.heap_layout.get();
   }
 
   validated result;
@@ -579,16 +630,20 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   if (own_overlap) throw_overlap(tg, own_overlap->first, own_overlap->second);
 
   if (full && !layout.same) {
+    // Room for the ranges and as many again for the radix sort, except on the stack.
     tagged_range* tagged = scratch.tagged.data();
+    tagged_range* sort_scratch = nullptr;
     if (opts.layout != nullptr) {
-      auto& sorted = layout_cache_access::sorted(*opts.layout);
-      sorted.resize(slots);
-      tagged = sorted.data();
+      auto& kept = layout_cache_access::sorted(*opts.layout);
+      kept.resize(2 * slots);
+      tagged = kept.data();
     } else if (slots > stack_ranges) {
-      scratch.heap_tagged.resize(slots);
-      tagged = scratch.heap_tagged.data();
+      scratch.heap_tagged.reset(new tagged_range[2 * slots]);
+      tagged = scratch.heap_tagged.get();
     }
-    check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged));
+    if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
+    check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged),
+                   sort_scratch);
   }
   if (opts.layout != nullptr) {
     // Remembered as proved only for the full check: a cache hit skips it.
