@@ -9,7 +9,9 @@
 #include <exception>
 #include <memory>
 #include <ostream>
+#include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -27,18 +29,24 @@ inline bool contains(const std::string& haystack, const std::string& needle) {
   return haystack.find(needle) != std::string::npos;
 }
 
-/// Runs f, requires it to throw E, and returns the message.
+/// Runs f, requires it to throw E, and returns a copy of the exception.
 template <class E, class F>
-std::string message_of(F&& f) {
+E exception_of(F&& f) {
   try {
     f();
   } catch (const E& e) {
-    return e.what();
+    return e;
   } catch (const std::exception& e) {
     FAIL("threw the wrong exception type: " << e.what());
   }
   FAIL("did not throw");
-  return {};
+  throw std::logic_error("unreachable: FAIL throws");
+}
+
+/// Runs f, requires it to throw E, and returns the message.
+template <class E, class F>
+std::string message_of(F&& f) {
+  return exception_of<E>(std::forward<F>(f)).what();
 }
 
 /// Storage for n elements that start `offset` elements past a 64-byte boundary. Everything

@@ -491,3 +491,55 @@ TEST_CASE("Eigen::Tensor: results are Eigen::Tensor of the same rank and layout,
   REQUIRE(has_dims(rq.gradients[0].first, q.shapes[0]));
   q.require_matches(0, rq.gradients[0].first.data(), false, "TensorMap<const Tensor<double, 2, RowMajor>>");
 }
+
+// ---- TensorFlow's ConstTensor spelling, and layouts checked against Eigen's dense types. -----
+
+TEST_CASE("Eigen::TensorMap<Tensor<const float, N>> (TensorFlow's ConstTensor) reads like TensorMap<const Tensor>",
+          "[eigen][tensor]") {
+  using S = float;
+  using const_elements = Eigen::TensorMap<Eigen::Tensor<const S, 2, Eigen::RowMajor>>;
+  STATIC_REQUIRE(gradavg::tensor<const_elements>);
+  STATIC_REQUIRE(!gradavg::writable_tensor<const_elements>);
+  STATIC_REQUIRE(std::is_same_v<gradavg::tensor_value_t<const_elements>, S>);
+  const std::size_t T = 3;
+  problem<S, 2> p({{5, 7}, {1, 33}}, T, 1, 91);
+  const auto tg = make_tower_grads<S>(T, 2, p.names, [&](std::size_t k, std::size_t i) {
+    return const_elements(p.data(k, i), p.shapes[i]);
+  });
+  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  STATIC_REQUIRE(std::is_same_v<decltype(r.gradients[0].first), Eigen::Tensor<S, 2, Eigen::RowMajor>>);
+  check_allocated(p, r, "TensorMap<Tensor<const float, 2>>");
+}
+
+TEST_CASE("Eigen::Tensor: RowMajor and ColMajor mixed between gradients and outputs, each labelled as it is",
+          "[eigen][tensor][shape]") {
+  // The message names each side's storage order: layouts labelled the wrong way round show
+  // even where gradients and outputs are swapped alike.
+  using S = float;
+  const std::size_t T = 2;
+  problem<S, 2> p({{6, 4}}, T, 0, 92);
+  buffer<S> out(24, 1, sentinel<S>);
+  const auto before = out.snapshot();
+  const auto row_tg = make_tower_grads<S>(T, 1, p.names, [&](std::size_t k, std::size_t) {
+    return Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::RowMajor>>(p.data(k, 0), p.shapes[0]);
+  });
+  const auto col_tg = make_tower_grads<S>(T, 1, p.names, [&](std::size_t k, std::size_t) {
+    return Eigen::TensorMap<const Eigen::Tensor<S, 2, Eigen::ColMajor>>(p.data(k, 0), p.shapes[0]);
+  });
+  std::vector<Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::RowMajor>>> row_out{{out.data(), p.shapes[0]}};
+  std::vector<Eigen::TensorMap<Eigen::Tensor<S, 2, Eigen::ColMajor>>> col_out{{out.data(), p.shapes[0]}};
+
+  const auto row_msg = message_of<gradavg::output_error>([&] { gradavg::average_gradients_into(row_tg, col_out); });
+  CHECK(contains(row_msg, "the means output has shape [6, 4] col-major but the gradient has shape [6, 4] row-major"));
+  const auto col_msg = message_of<gradavg::output_error>([&] { gradavg::average_gradients_into(col_tg, row_out); });
+  CHECK(contains(col_msg, "the means output has shape [6, 4] row-major but the gradient has shape [6, 4] col-major"));
+  REQUIRE(out.same_as(before));
+
+  // Same order on both sides: averaged, element by element in memory.
+  REQUIRE(gradavg::average_gradients_into(row_tg, row_out).averaged == 1);
+  p.require_matches(0, out.data(), false, "RowMajor into RowMajor");
+  std::fill(out.data(), out.data() + 24, S(0));
+  REQUIRE(gradavg::average_gradients_into(col_tg, col_out).averaged == 1);
+  p.require_matches(0, out.data(), false, "ColMajor into ColMajor");
+  REQUIRE(out.surroundings_intact());
+}

@@ -1,6 +1,8 @@
 // The seed's semantics (TensorFlow's _average_gradients), case by case.
 #include <gradavg/gradavg.hpp>
 
+#include <cmath>
+#include <cstdint>
 #include <span>
 #include <string>
 #include <utility>
@@ -57,6 +59,9 @@ TEST_CASE("a gradient absent on every tower skips the variable and reports it") 
   CHECK(r.gradients[1].second == "c");
   CHECK(r.gradients[1].first == grads{8});
   REQUIRE(r.squares.size() == 2);
+  CHECK(r.squares[0].second == "a");
+  CHECK(r.squares[0].first == grads{5, 10});  // (1+9)/2, (4+16)/2
+  CHECK(r.squares[1].second == "c");
   CHECK(r.squares[1].first == grads{65});  // (49+81)/2
   REQUIRE(r.skipped.size() == 1);
   CHECK(r.skipped[0].index == 1);
@@ -140,4 +145,65 @@ TEST_CASE("towers given as spans of spans") {
   const auto r = gradavg::average_gradients(tg);
   REQUIRE(r.gradients.size() == 1);
   CHECK(r.gradients[0].first == grads{2, 4});
+}
+
+TEST_CASE("means and squares follow their variable past skipped variables, in both APIs") {
+  // Variables 0 and 2 are absent everywhere; the others differ in size and values, so a square
+  // paired with the wrong variable or written to the wrong output shows.
+  constexpr std::size_t towers = 3, variables = 5;
+  const std::vector<std::size_t> sizes{2, 3, 4, 5, 6};
+  std::vector<std::vector<grads>> data(towers);
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i)
+      data[k].push_back(gradavg_test::random_values<float>(sizes[i], static_cast<std::uint32_t>(7 * k + i)));
+  const std::vector<std::string> names{"frozen0", "a", "frozen2", "b", "c"};
+  std::vector<tower> tg(towers);
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i) tg[k].push_back({i == 0 || i == 2 ? nullptr : &data[k][i], names[i]});
+  auto expected = [&](std::size_t i) {
+    std::vector<const float*> ptrs;
+    for (std::size_t k = 0; k < towers; ++k) ptrs.push_back(data[k][i].data());
+    return gradavg_test::reference<float>(ptrs, sizes[i]);
+  };
+  auto near = [](const grads& got, const std::vector<double>& want) {
+    if (got.size() != want.size()) return false;
+    for (std::size_t j = 0; j < got.size(); ++j)
+      if (std::abs(static_cast<double>(got[j]) - want[j]) > 1e-6) return false;
+    return true;
+  };
+
+  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  REQUIRE(r.gradients.size() == 3);
+  REQUIRE(r.squares.size() == 3);
+  REQUIRE(r.skipped.size() == 2);
+  CHECK(r.skipped[0].index == 0);
+  CHECK(r.skipped[1].index == 2);
+  const std::size_t averaged[] = {1, 3, 4};
+  for (std::size_t n = 0; n < 3; ++n) {
+    const std::size_t i = averaged[n];
+    INFO("variable " << i);
+    CHECK(r.gradients[n].second == names[i]);
+    CHECK(r.squares[n].second == names[i]);
+    CHECK(near(r.gradients[n].first, expected(i).mean));
+    CHECK(near(r.squares[n].first, expected(i).square));
+  }
+
+  std::vector<grads> means, squares;
+  for (std::size_t s : sizes) {
+    means.emplace_back(s, -1.0f);
+    squares.emplace_back(s, -1.0f);
+  }
+  const auto s = gradavg::average_gradients_into(tg, means, squares);
+  CHECK(s.averaged == 3);
+  CHECK(s.skipped == 2);
+  for (std::size_t i = 0; i < variables; ++i) {
+    INFO("variable " << i);
+    if (i == 0 || i == 2) {
+      CHECK(means[i] == grads(sizes[i], -1.0f));
+      CHECK(squares[i] == grads(sizes[i], -1.0f));
+    } else {
+      CHECK(near(means[i], expected(i).mean));
+      CHECK(near(squares[i], expected(i).square));
+    }
+  }
 }

@@ -69,21 +69,17 @@ namespace detail {
 
 struct deduce_tensor {};
 
-/// Runs the kernel over every averaged variable; mean_ptr(i) / square_ptr(i) give the outputs
-/// (square_ptr returns null for every i when with_squares is false).
+/// Runs the kernel over every variable: size_of(i) elements (0 for a skipped variable),
+/// tower_data(i, k) tower k's first element, mean_ptr(i) / square_ptr(i) the outputs (square_ptr
+/// returns null for every i when with_squares is false).
 /// All variables' elements form one flat range, split into contiguous chunks (one per thread):
 /// each chunk walks the variables it covers, so small variables share a fork/join.
-template <class TG, class MeanPtr, class SquarePtr>
-void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
-                 bool with_squares, const options& opts) {
-  using G = gradient_tensor_t<TG>;
-  using S = tensor_value_t<G>;
-  const std::size_t tower_count = std::ranges::size(tg);
-  auto size_of = [&tg](std::size_t i) { return tensor_traits<G>::shape(gradient_at(tg, 0, i)).size(); };
-
+template <class S, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
+void average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
+                 const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr, bool with_squares,
+                 const options& opts) {
   std::size_t total = 0;
-  for (std::size_t i = 0; i < variable_count; ++i)
-    if (!is_skipped(tg, i)) total += size_of(i);
+  for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
   // Every element of the flat range reads one value per tower and writes a mean (and a square).
   const std::size_t bytes_per_element = (tower_count + (with_squares ? 2 : 1)) * sizeof(S);
   const std::size_t chunks = chunk_count(total, bytes_per_element, opts);
@@ -93,13 +89,13 @@ void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_p
   auto run = [&](std::size_t first, std::size_t last) {
     std::size_t offset = 0;  // flat index of variable i's first element
     for (std::size_t i = 0; i < variable_count && offset < last; ++i) {
-      if (is_skipped(tg, i)) continue;
       const std::size_t n = size_of(i);
+      if (n == 0) continue;
       if (offset + n > first) {
         const std::size_t begin = first > offset ? first - offset : 0;
         const std::size_t end = std::min(n, last - offset);
-        auto tower_data = [&tg, i](std::size_t k) -> const S* { return tensor_traits<G>::data(gradient_at(tg, k, i)); };
-        reduce_range<S>(tower_data, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores);
+        reduce_range<S>([&tower_data, i](std::size_t k) -> const S* { return tower_data(i, k); }, tower_count, begin,
+                        end, mean_ptr(i), square_ptr(i), opts.streaming_stores);
       }
       offset += n;
     }
@@ -111,37 +107,67 @@ void average_all(const TG& tg, std::size_t variable_count, const MeanPtr& mean_p
   run_chunks(chunks, chunk, opts);
 }
 
+/// average_all reading every gradient again through tower_grads.
+template <class TG, class MeanPtr, class SquarePtr>
+void average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
+                         const SquarePtr& square_ptr, bool with_squares, const options& opts) {
+  using S = tensor_value_t<gradient_tensor_t<TG>>;
+  average_all<S>(
+      variable_count, std::ranges::size(tg),
+      [&tg](std::size_t i) {
+        const auto g = read_gradient(tg, 0, i);
+        return g.present ? g.dims.size() : 0;
+      },
+      [&tg](std::size_t i, std::size_t k) { return gradient_data(tg, k, i); }, mean_ptr, square_ptr,
+      with_squares, opts);
+}
+
 template <class TG, class Means, class Squares>
 summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
   using S = tensor_value_t<gradient_tensor_t<TG>>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float or double");
+  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
+  static_assert(outputs_outlive_reads<Means&>,
+                "gradavg: means yields outputs by value that own their elements; yield references or views");
   static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Means&>>, accumulator_t<S>>,
                 "gradavg: the means outputs must hold the gradients' element type");
-  const std::size_t variable_count = validate_towers(tg);
-  validate_outputs(tg, means, variable_count, "means");
-  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
-    if (opts.include_square)
-      throw output_error(
-          "gradavg: options.include_square is set but no squares outputs were passed to average_gradients_into");
-  } else {
+  if constexpr (with_squares) {
+    static_assert(outputs_outlive_reads<Squares&>,
+                  "gradavg: squares yields outputs by value that own their elements; yield references or views");
     static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, accumulator_t<S>>,
                   "gradavg: the squares outputs must hold the gradients' element type");
-    validate_outputs(tg, *squares, variable_count, "squares");
   }
-  validate_aliasing(tg, means, squares, variable_count, opts.aliasing);
 
-  summary result;
-  for (std::size_t i = 0; i < variable_count; ++i) ++(is_skipped(tg, i) ? result.skipped : result.averaged);
-  auto mean_ptr = [&means](std::size_t i) { return output_data(at(means, i)); };
-  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
-    average_all(
-        tg, variable_count, mean_ptr, [](std::size_t) { return static_cast<accumulator_t<S>*>(nullptr); }, false,
-        opts);
+  check_scratch scratch;  // uninitialised arrays: costs nothing unless used
+  const validated v = validate_into(tg, means, squares, opts, scratch);
+  const std::size_t towers = std::ranges::size(tg);
+
+  if (v.layout != nullptr) {
+    // Pointers as read by the checks: variable i's ranges start at layout[i * stride].
+    const std::size_t stride = towers + (with_squares ? 2 : 1);
+    const byte_range* layout = v.layout;
+    auto out = [](const std::byte* p) { return const_cast<S*>(reinterpret_cast<const S*>(p)); };
+    average_all<S>(
+        v.variables, towers,
+        [=](std::size_t i) {
+          const byte_range& g = layout[i * stride];
+          return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+        },
+        [=](std::size_t i, std::size_t k) { return reinterpret_cast<const S*>(layout[i * stride + k].first); },
+        [=](std::size_t i) { return out(layout[i * stride + towers].first); },
+        [=](std::size_t i) { return with_squares ? out(layout[i * stride + towers + 1].first) : nullptr; },
+        with_squares, opts);
   } else {
-    average_all(
-        tg, variable_count, mean_ptr, [squares](std::size_t i) { return output_data(at(*squares, i)); }, true, opts);
+    auto mean_ptr = [&means](std::size_t i) { return read_output(means, i).data; };
+    if constexpr (with_squares)
+      average_all_entries(
+          tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output(*squares, i).data; }, true, opts);
+    else
+      average_all_entries(
+          tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<S*>(nullptr); }, false, opts);
   }
-  return result;
+  return {v.averaged, v.skipped};
 }
 
 }  // namespace detail
@@ -154,9 +180,12 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
 ///
 /// Aliasing: means[i] may be tower 0's gradient i itself (same data, same shape): averaging in
 /// place. No other overlap between an output and any gradient or other output is allowed;
-/// options.aliasing says how much of that is checked (aliasing_error).
+/// options.aliasing says how much of that is checked (aliasing_error): by default everything,
+/// O(N log N) in the N = V*(T+2) buffers, O(N) when options.layout proved the same layout before.
 ///
-/// Allocates nothing on success. Throws a gradavg::error before writing anything.
+/// Allocates nothing, except the scratch of the default overlap check when more than 256
+/// buffers are passed without options.layout (and a layout_cache's own memory the first time it
+/// holds a layout that large). Throws a gradavg::error before writing anything.
 template <tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(const TG& tower_grads, Means&& means, const options& opts = {}) {
@@ -187,25 +216,23 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
   using V = detail::variable_t<TG>;
   using S = tensor_value_t<G>;
   static_assert(detail::supported_scalar<S>, "gradavg: gradient elements must be float or double");
+  static_assert(detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
   const std::size_t variable_count = detail::validate_towers(tower_grads);
   averaged_gradients<R, V> result;
+  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
   for (std::size_t i = 0; i < variable_count; ++i) {
-    const V& v = detail::variable_at(tower_grads, 0, i);
-    if (detail::is_skipped(tower_grads, i)) {
-      result.skipped.push_back({i, v});
+    const auto g0 = detail::read_gradient(tower_grads, 0, i);
+    if (!g0.present) {
+      result.skipped.push_back({i, detail::variable_copy(tower_grads, i)});
       continue;
     }
-    const shape s = tensor_traits<G>::shape(detail::gradient_at(tower_grads, 0, i));
-    result.gradients.emplace_back(tensor_traits<G>::make(s), v);
-    if (opts.include_square) result.squares.emplace_back(tensor_traits<G>::make(s), v);
+    slot_of[i] = result.gradients.size();
+    result.gradients.emplace_back(tensor_traits<G>::make(g0.dims), detail::variable_copy(tower_grads, i));
+    if (opts.include_square) result.squares.emplace_back(tensor_traits<G>::make(g0.dims), result.gradients.back().second);
   }
 
-  std::size_t next = 0;  // result.gradients follows the averaged variables in order
-  std::vector<std::size_t> slot_of(variable_count, 0);
-  for (std::size_t i = 0; i < variable_count; ++i)
-    if (!detail::is_skipped(tower_grads, i)) slot_of[i] = next++;
-  detail::average_all(
+  detail::average_all_entries(
       tower_grads, variable_count,
       [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
       [&](std::size_t i) -> S* {

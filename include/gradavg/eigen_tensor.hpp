@@ -1,5 +1,5 @@
-// gradavg: Eigen's Tensor module — Eigen::Tensor and Eigen::TensorMap (of const or mutable
-// tensors), any rank up to gradavg::shape::max_rank, either layout, float or double.
+// gradavg: Eigen's Tensor module — Eigen::Tensor and Eigen::TensorMap (of mutable tensors, const
+// tensors, or tensors of const elements), any rank up to gradavg::shape::max_rank, either layout, float or double.
 // Shape: the tensor's dimensions and layout. Results of the allocating API are Eigen::Tensor.
 #pragma once
 
@@ -57,13 +57,17 @@ template <class Plain, int MapOptions, template <class> class MakePointer>
 struct tensor_traits<Eigen::TensorMap<Plain, MapOptions, MakePointer>> {
   using map_type = Eigen::TensorMap<Plain, MapOptions, MakePointer>;
   using plain_type = std::remove_const_t<Plain>;
-  using value_type = typename plain_type::Scalar;
+  // Read-only either way: TensorMap<const Tensor<float, N>> or TensorMap<Tensor<const float, N>>
+  // (TensorFlow's ConstTensor spelling).
+  static constexpr bool read_only = std::is_const_v<Plain> || std::is_const_v<typename plain_type::Scalar>;
+  using value_type = std::remove_const_t<typename plain_type::Scalar>;
   using result_type = Eigen::Tensor<value_type, plain_type::NumDimensions, plain_type::Options & Eigen::RowMajor,
                                     typename plain_type::Index>;
+  static constexpr bool view = true;
 
   static const value_type* data(const map_type& t) noexcept { return t.data(); }
   static value_type* mutable_data(map_type& t) noexcept
-    requires(!std::is_const_v<Plain>)
+    requires(!read_only)
   {
     return t.data();
   }

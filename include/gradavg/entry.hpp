@@ -9,6 +9,17 @@
 //   variable_traits<V>  same(a, b) to check that towers agree, print(os, v) for messages.
 //                       Default: operator== when it exists (strcmp for C strings), operator<< when
 //                       it exists (through the pointer for pointers to printable objects).
+//                       print is called only to build an error message; if it throws, the
+//                       message names the variable by position.
+//
+// Lifetimes: a tower, an entry or a gradient may be yielded by value (a views::transform making
+// pairs, a gradient() returning a span). gradavg holds each such value while it reads it, and keeps
+// only pointers to the elements, so a gradient yielded by value must be a view whose elements
+// outlive it: a raw pointer, std::reference_wrapper, a tensor whose tensor_traits has
+// `static constexpr bool view = true;` (std::span, Eigen::Map, Eigen::TensorMap, a non-const
+// Eigen::Ref), or a std::optional of one. An owning gradient yielded by value (std::vector,
+// Eigen::Matrix, Eigen::Ref<const ...>, a smart pointer) is rejected at compile time. Gradients held
+// by the caller and yielded by reference may be anything.
 #pragma once
 
 #include <concepts>

@@ -9,15 +9,20 @@
 namespace gradavg {
 
 class executor;
+class layout_cache;
 
 /// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
 
 /// How thoroughly average_gradients_into checks outputs for overlap with inputs and each other.
 enum class alias_check : std::uint8_t {
-  /// Each variable's outputs against that variable's gradients and its other output: O(V*T).
+  /// Partial: each variable's outputs against that variable's own gradients and other output
+  /// only, O(V*T). Misses overlaps between variables (say means[0] written over tower 0's
+  /// gradient 1): kept for callers who rule those out another way.
   same_variable,
-  /// Every output against every gradient and every other output: O(V^2*T). For debugging.
+  /// Every output against every gradient and every other output (the default): the byte ranges
+  /// of all N = V*(T+2) buffers sorted by address and swept, O(N log N); O(N) when
+  /// options.layout holds the same layout as the previous call.
   all,
   /// No check: the caller guarantees the aliasing rules of average_gradients_into.
   none,
@@ -30,7 +35,12 @@ struct options {
   bool include_square = false;
 
   /// Overlap checks in average_gradients_into (outputs of the allocating API never overlap).
-  alias_check aliasing = alias_check::same_variable;
+  alias_check aliasing = alias_check::all;
+
+  /// Caller-owned scratch and memory of the last proved layout for average_gradients_into
+  /// (layout_cache.hpp); not owned. Null: the check of up to 256 buffers uses the stack, larger
+  /// ones allocate their scratch for the call.
+  layout_cache* layout = nullptr;
 
   /// Threads one call may use. Left at default_threads: all of pool's (pool->concurrency()) when
   /// a pool is given, else 1 — the calling thread only: training code often calls this while its

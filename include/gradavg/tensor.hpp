@@ -10,6 +10,8 @@
 //   static bool contiguous(const T&);             // false rejects the tensor (default: true)
 //   using result_type = ...;                       // owning type the allocating API returns
 //   static result_type make(const gradavg::shape&);  // allocate one of that shape
+//   static constexpr bool view = true;             // T does not own its elements (a span, a
+//                                                  // map): then it may be yielded by value (entry.hpp)
 //
 // Specialisations ship for std::vector, std::span and std::array (here), Eigen dense types
 // (gradavg/eigen.hpp) and Eigen's Tensor module (gradavg/eigen_tensor.hpp).
@@ -92,6 +94,10 @@ concept tensor = requires(const T& t) {
   { tensor_traits<T>::shape(t) } -> std::same_as<shape>;
 };
 
+/// T refers to elements it does not own, which outlive it (tensor_traits<T>::view).
+template <class T>
+concept view_tensor = tensor<T> && requires { requires tensor_traits<T>::view; };
+
 /// T can also be written to, so it can receive a mean or a mean of squares.
 template <class T>
 concept writable_tensor = tensor<T> && requires(T& t) {
@@ -136,6 +142,7 @@ template <class V, std::size_t Extent>
 struct tensor_traits<std::span<V, Extent>> {
   using value_type = std::remove_const_t<V>;
   using result_type = std::vector<value_type>;
+  static constexpr bool view = true;
   static const value_type* data(const std::span<V, Extent>& v) noexcept { return v.data(); }
   static V* mutable_data(const std::span<V, Extent>& v) noexcept
     requires(!std::is_const_v<V>)

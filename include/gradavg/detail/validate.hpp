@@ -1,22 +1,43 @@
 // gradavg internals: reading tower_grads, and every check made before anything is written.
+//
+// Lifetimes: a tower, an entry or a gradient slot may be yielded by value (a views::transform,
+// an entry_traits::gradient() returning a view). Each is then held in a local for as long as it
+// is read, and only values (pointers, shapes, copies) leave that scope — so the elements a
+// pointer refers to must outlive the slot: a slot held by value must be a view
+// (borrowed_slot), which the API entry points check at compile time.
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <bit>
+#include <cstdint>
 #include <cstddef>
+#include <exception>
 #include <functional>
+#include <memory>
+#include <optional>
 #include <ranges>
 #include <sstream>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "isa.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
+#include "../layout_cache.hpp"
 #include "../options.hpp"
 #include "../tensor.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
+
+// Shared by every level (layout_cache.hpp).
+using gradavg::layout_detail::byte_range;
+using gradavg::layout_detail::layout_cache_access;
+using gradavg::layout_detail::tagged_range;
 
 // ---- Access to tower_grads[k][i]. ----------------------------------------------------------
 
@@ -28,57 +49,154 @@ constexpr decltype(auto) at(R&& r, std::size_t i) {
 template <class TG>
 using tower_ref_t = std::ranges::range_reference_t<const TG>;
 template <class TG>
-using entry_t = std::remove_cvref_t<std::ranges::range_reference_t<std::remove_reference_t<tower_ref_t<TG>>>>;
+using entry_ref_t = std::ranges::range_reference_t<std::remove_reference_t<tower_ref_t<TG>>>;
 template <class TG>
-using gradient_slot_t =
-    std::remove_cvref_t<decltype(entry_traits<entry_t<TG>>::gradient(std::declval<const entry_t<TG>&>()))>;
+using entry_t = std::remove_cvref_t<entry_ref_t<TG>>;
+template <class TG>
+using gradient_ref_t = decltype(entry_traits<entry_t<TG>>::gradient(std::declval<const entry_t<TG>&>()));
+template <class TG>
+using gradient_slot_t = std::remove_cvref_t<gradient_ref_t<TG>>;
 template <class TG>
 using variable_t =
     std::remove_cvref_t<decltype(entry_traits<entry_t<TG>>::variable(std::declval<const entry_t<TG>&>()))>;
 template <class TG>
 using gradient_tensor_t = slot_tensor_t<gradient_slot_t<TG>>;
 
-template <class TG>
-constexpr decltype(auto) entry_at(const TG& tg, std::size_t tower, std::size_t i) {
-  return at(at(tg, tower), i);
-}
-template <class TG>
-constexpr decltype(auto) gradient_slot_at(const TG& tg, std::size_t tower, std::size_t i) {
-  return entry_traits<entry_t<TG>>::gradient(entry_at(tg, tower, i));
-}
-template <class TG>
-constexpr decltype(auto) variable_at(const TG& tg, std::size_t tower, std::size_t i) {
-  return entry_traits<entry_t<TG>>::variable(entry_at(tg, tower, i));
-}
-/// Tower k's gradient of variable i; the caller has checked that it is present.
-template <class TG>
-constexpr decltype(auto) gradient_at(const TG& tg, std::size_t tower, std::size_t i) {
-  return slot_get(gradient_slot_at(tg, tower, i));
-}
-template <class TG>
-constexpr bool is_skipped(const TG& tg, std::size_t i) {
-  // After validation, absent on tower 0 means absent on every tower.
-  return !slot_present(gradient_slot_at(tg, 0, i));
+template <class T>
+struct is_optional : std::false_type {};
+template <class T>
+struct is_optional<std::optional<T>> : std::true_type {};
+
+/// A slot whose tensor's elements live elsewhere, so a pointer to them outlives the slot: a raw
+/// pointer, a std::reference_wrapper, a view tensor (tensor_traits<T>::view), or an optional of one.
+template <class S>
+constexpr bool borrowed_slot() {
+  if constexpr (std::is_pointer_v<S> || is_reference_wrapper<S>::value)
+    return true;
+  else if constexpr (is_optional<S>::value)
+    return borrowed_slot<typename S::value_type>();
+  else if constexpr (tensor<S>)
+    return view_tensor<S>;
+  else
+    return false;  // smart pointers and other holders may own the tensor
 }
 
-// ---- Messages. -----------------------------------------------------------------------------
+/// Whether tower_grads yields its gradient slots by value: a tower that is not a borrowed range,
+/// an entry, or entry_traits::gradient() returned by value.
+template <class TG>
+inline constexpr bool slots_held_by_value =
+    (!std::is_lvalue_reference_v<tower_ref_t<TG>> && !std::ranges::borrowed_range<tower_ref_t<TG>>) ||
+    !std::is_lvalue_reference_v<entry_ref_t<TG>> || !std::is_lvalue_reference_v<gradient_ref_t<TG>>;
+
+/// The lifetime rule of entry.hpp: gradients yielded by value must be views.
+template <class TG>
+inline constexpr bool gradients_outlive_reads = !slots_held_by_value<TG> || borrowed_slot<gradient_slot_t<TG>>();
+
+#define GRADAVG_LIFETIME_MESSAGE_                                                                                \
+  "gradavg: tower_grads yields gradients by value (a tower, an entry or entry_traits::gradient() returned by "   \
+  "value) that own their elements, which would be destroyed before they are read. Yield references, or views: " \
+  "a pointer, std::reference_wrapper, std::span, Eigen::Map, Eigen::TensorMap, a non-const Eigen::Ref, or a "    \
+  "std::optional of one; a tensor type of your own is a view when its tensor_traits say "                        \
+  "`static constexpr bool view = true;`"
+
+/// Inlined into the per-entry loops: called for every entry of every call.
+#define GRADAVG_HOT_ [[gnu::always_inline]] inline
+
+/// Calls f(entry) with tower k's entry i (and the tower it came from) alive for the call. f returns
+/// a value that does not refer into the entry.
+template <class TG, class F>
+GRADAVG_HOT_ constexpr auto with_entry(const TG& tg, std::size_t k, std::size_t i, F&& f) {
+  auto&& tower = at(tg, k);
+  auto&& e = at(tower, i);
+  return std::forward<F>(f)(std::as_const(e));
+}
+
+/// What the checks and the kernel need of one gradient, read once.
+template <class S>
+struct gradient_read {
+  const S* data = nullptr;
+  shape dims;
+  bool present = false;
+  bool contiguous = true;
+
+  [[nodiscard]] byte_range bytes() const noexcept {
+    const auto* p = reinterpret_cast<const std::byte*>(data);
+    return present ? byte_range{p, p + dims.size() * sizeof(S)} : byte_range{};
+  }
+};
+
+template <class TG>
+GRADAVG_HOT_ gradient_read<tensor_value_t<gradient_tensor_t<TG>>> read_gradient(const entry_t<TG>& e) {
+  using G = gradient_tensor_t<TG>;
+  gradient_read<tensor_value_t<G>> r;
+  auto&& s = entry_traits<entry_t<TG>>::gradient(e);
+  if (!slot_present(s)) return r;
+  const G& g = slot_get(s);
+  r.data = tensor_traits<G>::data(g);
+  r.dims = tensor_traits<G>::shape(g);
+  r.present = true;
+  r.contiguous = is_contiguous(g);
+  return r;
+}
+
+template <class TG>
+GRADAVG_HOT_ auto read_gradient(const TG& tg, std::size_t tower, std::size_t i) {
+  return with_entry(tg, tower, i, [](const entry_t<TG>& e) { return read_gradient<TG>(e); });
+}
+
+/// Tower k's gradient of variable i's first element; the caller has checked that it is present.
+template <class TG>
+GRADAVG_HOT_ auto gradient_data(const TG& tg, std::size_t tower, std::size_t i) {
+  using G = gradient_tensor_t<TG>;
+  return with_entry(tg, tower, i, [](const entry_t<TG>& e) -> const tensor_value_t<G>* {
+    auto&& s = entry_traits<entry_t<TG>>::gradient(e);
+    return tensor_traits<G>::data(slot_get(s));
+  });
+}
+
+/// A copy of tower 0's variable i.
+template <class TG>
+variable_t<TG> variable_copy(const TG& tg, std::size_t i) {
+  return with_entry(tg, 0, i,
+                    [](const entry_t<TG>& e) { return variable_t<TG>(entry_traits<entry_t<TG>>::variable(e)); });
+}
+
+// ---- Messages (built only when something is wrong). -----------------------------------------
+
+/// What variable_traits<V>::print writes, or "" when it writes nothing or throws.
+template <class V>
+std::string printed(const V& v) noexcept {
+  try {
+    std::ostringstream os;
+    variable_traits<V>::print(os, v);
+    return os.str();
+  } catch (...) {
+    return {};
+  }
+}
 
 /// "variable #3 'conv1/weights'", or "variable #3" when the variable cannot be printed.
 template <class V>
 std::string describe_variable(std::size_t i, const V& v) {
-  std::ostringstream printed;
-  variable_traits<V>::print(printed, v);
+  const std::string p = printed(v);
   std::string s = "variable #" + std::to_string(i);
-  if (!printed.str().empty()) s.append(" '").append(printed.str()).append("'");
+  if (!p.empty()) s.append(" '").append(p).append("'");
   return s;
 }
 
 template <class V>
 std::string describe_value(const V& v) {
-  std::ostringstream printed;
-  variable_traits<V>::print(printed, v);
-  if (printed.str().empty()) return "(unprintable)";
-  return std::string("'").append(printed.str()).append("'");
+  const std::string p = printed(v);
+  if (p.empty()) return "(unprintable)";
+  return std::string("'").append(p).append("'");
+}
+
+/// describe_variable of tower 0's variable i.
+template <class TG>
+std::string describe_variable_at(const TG& tg, std::size_t i) {
+  return with_entry(tg, 0, i, [i](const entry_t<TG>& e) {
+    return describe_variable(i, entry_traits<entry_t<TG>>::variable(e));
+  });
 }
 
 inline std::string describe_shape(const shape& s) {
@@ -103,12 +221,9 @@ inline std::string describe_towers(const std::size_t* towers, std::size_t listed
 
 // ---- Checks on the inputs. -----------------------------------------------------------------
 
-/// Checks tower_grads as a whole and returns the number of variables. Throws tower_error,
-/// variable_mismatch_error, missing_gradient_error or shape_error.
+/// Checks that there are towers and that they hold the same number of entries; returns it.
 template <class TG>
-std::size_t validate_towers(const TG& tg) {
-  using V = variable_t<TG>;
-  using G = gradient_tensor_t<TG>;
+std::size_t validate_tower_counts(const TG& tg) {
   const std::size_t tower_count = std::ranges::size(tg);
   if (tower_count == 0) throw tower_error("gradavg: tower_grads holds no towers; at least one is needed");
   const std::size_t variable_count = std::ranges::size(at(tg, 0));
@@ -119,55 +234,70 @@ std::size_t validate_towers(const TG& tg) {
                         " (gradient, variable) entries but tower 0 holds " + std::to_string(variable_count) +
                         "; every tower must list the same variables in the same order");
   }
+  return variable_count;
+}
 
-  for (std::size_t i = 0; i < variable_count; ++i) {
-    const V& v0 = variable_at(tg, 0, i);
-    if constexpr (comparable_variable<V>) {
+/// Throws the first of variable_mismatch_error, missing_gradient_error, shape_error that
+/// variable i has, in that order of precedence.
+template <class TG>
+void validate_variable(const TG& tg, std::size_t i) {
+  using V = variable_t<TG>;
+  using E = entry_t<TG>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  if constexpr (comparable_variable<V>) {
+    with_entry(tg, 0, i, [&](const E& e0) {
+      auto&& v0 = entry_traits<E>::variable(e0);
       for (std::size_t k = 1; k < tower_count; ++k) {
-        const V& vk = variable_at(tg, k, i);
-        if (!variable_traits<V>::same(v0, vk))
-          throw variable_mismatch_error(describe_variable(i, v0) + ": tower " + std::to_string(k) + " has variable " +
-                                            describe_value(vk) + " at this position but tower 0 has " +
-                                            describe_value(v0) + "; every tower must list the same variables in the "
-                                            "same order",
-                                        i);
+        with_entry(tg, k, i, [&](const E& ek) {
+          auto&& vk = entry_traits<E>::variable(ek);
+          if (!variable_traits<V>::same(v0, vk))
+            throw variable_mismatch_error(describe_variable(i, v0) + ": tower " + std::to_string(k) +
+                                              " has variable " + describe_value(vk) + " at this position but tower 0 "
+                                              "has " + describe_value(v0) + "; every tower must list the same "
+                                              "variables in the same order",
+                                          i);
+        });
       }
-    }
-
-    std::size_t present = 0;
-    for (std::size_t k = 0; k < tower_count; ++k) present += slot_present(gradient_slot_at(tg, k, i)) ? 1 : 0;
-    if (present == 0) continue;  // skipped: absent on every tower
-    if (present != tower_count) {
-      constexpr std::size_t max_listed = 16;
-      std::size_t listed[max_listed];
-      std::size_t count = 0;
-      for (std::size_t k = 0; k < tower_count && count < max_listed; ++k)
-        if (!slot_present(gradient_slot_at(tg, k, i))) listed[count++] = k;
-      const std::string missing = describe_towers(listed, count, tower_count - present);
-      throw missing_gradient_error(describe_variable(i, v0) + ": gradient missing on tower" +
-                                       (tower_count - present > 1 ? "s " : " ") + missing + " of " +
-                                       std::to_string(tower_count) + " but present on " + std::to_string(present) +
-                                       "; a gradient must be present on every tower or on none",
-                                   i);
-    }
-
-    const G& g0 = gradient_at(tg, 0, i);
-    const shape s0 = tensor_traits<G>::shape(g0);
-    for (std::size_t k = 0; k < tower_count; ++k) {
-      const G& gk = gradient_at(tg, k, i);
-      if (k > 0) {
-        const shape sk = tensor_traits<G>::shape(gk);
-        if (!(sk == s0))
-          throw shape_error(describe_variable(i, v0) + ": gradient on tower " + std::to_string(k) + " has shape " +
-                                describe_shape(sk) + " but on tower 0 has shape " + describe_shape(s0),
-                            i);
-      }
-      if (!is_contiguous(gk))
-        throw shape_error(describe_variable(i, v0) + ": gradient on tower " + std::to_string(k) +
-                              " is not contiguous (strided); pass a contiguous tensor or a copy",
-                          i);
-    }
+    });
   }
+
+  std::size_t present = 0;
+  for (std::size_t k = 0; k < tower_count; ++k) present += read_gradient(tg, k, i).present ? 1 : 0;
+  if (present == 0) return;  // skipped: absent on every tower
+  if (present != tower_count) {
+    constexpr std::size_t max_listed = 16;
+    std::size_t listed[max_listed]{};
+    std::size_t count = 0;
+    for (std::size_t k = 0; k < tower_count && count < max_listed; ++k)
+      if (!read_gradient(tg, k, i).present) listed[count++] = k;
+    const std::string missing = describe_towers(listed, count, tower_count - present);
+    throw missing_gradient_error(describe_variable_at(tg, i) + ": gradient missing on tower" +
+                                     (tower_count - present > 1 ? "s " : " ") + missing + " of " +
+                                     std::to_string(tower_count) + " but present on " + std::to_string(present) +
+                                     "; a gradient must be present on every tower or on none",
+                                 i);
+  }
+
+  const shape s0 = read_gradient(tg, 0, i).dims;
+  for (std::size_t k = 0; k < tower_count; ++k) {
+    const auto gk = read_gradient(tg, k, i);
+    if (k > 0 && !(gk.dims == s0))
+      throw shape_error(describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) + " has shape " +
+                            describe_shape(gk.dims) + " but on tower 0 has shape " + describe_shape(s0),
+                        i);
+    if (!gk.contiguous)
+      throw shape_error(describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) +
+                            " is not contiguous (strided); pass a contiguous tensor or a copy",
+                        i);
+  }
+}
+
+/// Checks tower_grads as a whole and returns the number of variables. Throws tower_error,
+/// variable_mismatch_error, missing_gradient_error or shape_error.
+template <class TG>
+std::size_t validate_towers(const TG& tg) {
+  const std::size_t variable_count = validate_tower_counts(tg);
+  for (std::size_t i = 0; i < variable_count; ++i) validate_variable(tg, i);
   return variable_count;
 }
 
@@ -175,13 +305,6 @@ std::size_t validate_towers(const TG& tg) {
 
 template <class R>
 using output_slot_t = std::remove_cvref_t<std::ranges::range_reference_t<R>>;
-
-/// The element pointer of an output slot (non-const access through the range's reference).
-template <class Slot>
-auto output_data(Slot&& s) {
-  auto& t = slot_get(s);
-  return tensor_traits<std::remove_cvref_t<decltype(t)>>::mutable_data(t);
-}
 
 template <class R>
 using output_tensor_t = std::remove_cvref_t<decltype(slot_get(std::declval<std::ranges::range_reference_t<R>>()))>;
@@ -195,102 +318,341 @@ concept output_range =
       { tensor_traits<output_tensor_t<R>>::mutable_data(slot_get(s)) } -> std::same_as<tensor_value_t<output_tensor_t<R>>*>;
     };
 
+/// Outputs yielded by value must be views too, or the results would be written into temporaries.
+template <class R>
+inline constexpr bool outputs_outlive_reads =
+    std::is_lvalue_reference_v<std::ranges::range_reference_t<R>> || borrowed_slot<output_slot_t<R>>();
+
+/// What the checks and the kernel need of one output, read once.
+template <class S>
+struct output_read {
+  S* data = nullptr;
+  shape dims;
+  bool present = false;
+  bool contiguous = true;
+};
+
+template <class Outputs>
+GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
+  using O = output_tensor_t<Outputs&>;
+  output_read<tensor_value_t<O>> r;
+  auto&& s = at(outputs, i);
+  if (!slot_present(s)) return r;
+  auto& t = slot_get(s);
+  r.data = tensor_traits<O>::mutable_data(t);
+  r.dims = tensor_traits<O>::shape(t);
+  r.present = true;
+  r.contiguous = is_contiguous(t);
+  return r;
+}
+
 /// Checks one output range (what = "means" or "squares") against validated tower_grads.
 template <class TG, class Outputs>
 void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count, const char* what) {
-  using G = gradient_tensor_t<TG>;
-  using O = output_tensor_t<Outputs&>;
   const std::size_t n = std::ranges::size(outputs);
   if (n != variable_count)
     throw output_error(std::string("gradavg: ") + what + " holds " + std::to_string(n) + " outputs but the towers hold " +
                        std::to_string(variable_count) + " variables; pass one output per variable (skipped ones are "
                        "left untouched)");
   for (std::size_t i = 0; i < variable_count; ++i) {
-    if (is_skipped(tg, i)) continue;
-    auto&& slot = at(outputs, i);
-    if (!slot_present(slot))
-      throw output_error(describe_variable(i, variable_at(tg, 0, i)) + ": the " + what + " output is null", i);
-    const O& out = slot_get(slot);
-    const shape expected = tensor_traits<G>::shape(gradient_at(tg, 0, i));
-    const shape got = tensor_traits<O>::shape(out);
-    if (!(got == expected))
-      throw output_error(describe_variable(i, variable_at(tg, 0, i)) + ": the " + what + " output has shape " +
-                             describe_shape(got) + " but the gradient has shape " + describe_shape(expected),
+    const auto g0 = read_gradient(tg, 0, i);
+    if (!g0.present) continue;  // skipped
+    const auto out = read_output(outputs, i);
+    if (!out.present) throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is null", i);
+    if (!(out.dims == g0.dims))
+      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output has shape " + describe_shape(out.dims) +
+                             " but the gradient has shape " + describe_shape(g0.dims),
                          i);
-    if (!is_contiguous(out))
-      throw output_error(describe_variable(i, variable_at(tg, 0, i)) + ": the " + what +
-                             " output is not contiguous (strided)",
-                         i);
+    if (!out.contiguous)
+      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is not contiguous (strided)", i);
   }
 }
 
-/// Bytes a tensor occupies.
-struct byte_range {
-  const std::byte* first = nullptr;
-  const std::byte* last = nullptr;  // one past the end
-
-  [[nodiscard]] bool empty() const noexcept { return first == last; }
-  [[nodiscard]] bool overlaps(const byte_range& o) const noexcept {
-    const std::less<const std::byte*> before;
-    return !empty() && !o.empty() && before(first, o.last) && before(o.first, last);
+/// Throws the first output error of a validated tower_grads, in the order: means, include_square
+/// without squares, squares. Returns when there is none.
+template <class TG, class Means, class Squares>
+void validate_all_outputs(const TG& tg, Means& means, Squares* squares, std::size_t variable_count,
+                          const options& opts) {
+  validate_outputs(tg, means, variable_count, "means");
+  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
+    if (opts.include_square)
+      throw output_error(
+          "gradavg: options.include_square is set but no squares outputs were passed to average_gradients_into");
+  } else {
+    validate_outputs(tg, *squares, variable_count, "squares");
   }
-  friend bool operator==(const byte_range&, const byte_range&) = default;
+}
+
+// ---- Overlaps. -----------------------------------------------------------------------------
+
+/// Throws the aliasing_error for two overlapping buffers, at least one of them an output.
+template <class TG>
+[[noreturn]] void throw_overlap(const TG& tg, tagged_range a, tagged_range b) {
+  // The subject is an output: the one of the lower variable (means before squares) if both are.
+  auto key = [](const tagged_range& r) { return std::pair(r.variable, static_cast<int>(r.kind)); };
+  if (a.kind == tagged_range::gradient || (b.kind != tagged_range::gradient && key(b) < key(a))) std::swap(a, b);
+  auto name = [](tagged_range::kind_t k) { return k == tagged_range::means ? "means" : "squares"; };
+  const bool same = a.variable == b.variable;
+  std::string other;
+  if (b.kind == tagged_range::gradient)
+    other = (same ? "its gradient on tower " : "the gradient on tower ") + std::to_string(b.tower);
+  else
+    other = std::string(same ? "its " : "the ") + name(b.kind) + " output";
+  if (!same) other += " of " + describe_variable_at(tg, b.variable);
+  throw aliasing_error(describe_variable_at(tg, a.variable) + ": the " + name(a.kind) + " output overlaps " + other +
+                           "; outputs may overlap nothing, except that means[i] may be tower 0's gradient i "
+                           "itself (averaging in place)",
+                       a.variable);
+}
+
+/// Sorts ranges by start address. With scratch (room for count more), large inputs are radix
+/// sorted on the address bits that differ between them (8 at a time, O(N) per pass: a few
+/// passes for buffers within a few GiB of each other); otherwise std::sort, O(N log N).
+inline void sort_by_address(tagged_range* ranges, std::size_t count, tagged_range* scratch) {
+  auto key = [](const tagged_range& r) { return reinterpret_cast<std::uintptr_t>(r.bytes.first); };
+  if (scratch == nullptr || count < 128) {
+    std::sort(ranges, ranges + count, [&key](const tagged_range& a, const tagged_range& b) { return key(a) < key(b); });
+    return;
+  }
+  std::uintptr_t all = ~std::uintptr_t{0}, any = 0;
+  for (std::size_t n = 0; n < count; ++n) {
+    all &= key(ranges[n]);
+    any |= key(ranges[n]);
+  }
+  const std::uintptr_t varying = all ^ any;
+  if (varying == 0) return;
+  constexpr int digit_bits = 8;
+  tagged_range* from = ranges;
+  tagged_range* to = scratch;
+  const int end = static_cast<int>(std::bit_width(varying));
+  for (int shift = std::countr_zero(varying); shift < end; shift += digit_bits) {
+    std::size_t start[(1 << digit_bits) + 1] = {};
+    auto digit = [&](const tagged_range& r) { return (key(r) >> shift) & ((1u << digit_bits) - 1); };
+    for (std::size_t n = 0; n < count; ++n) ++start[digit(from[n]) + 1];
+    for (std::size_t d = 1; d <= (1 << digit_bits); ++d) start[d] += start[d - 1];
+    for (std::size_t n = 0; n < count; ++n) to[start[digit(from[n])]++] = from[n];
+    std::swap(from, to);
+  }
+  if (from != ranges) std::copy(from, from + count, ranges);
+}
+
+/// Sorts the ranges by address and sweeps them once: throws for the first overlap that involves
+/// an output (gradients may overlap one another: they are only read). `scratch`: room for count
+/// more ranges, or null.
+template <class TG>
+void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagged_range* scratch) {
+  const std::less<const std::byte*> before;
+  sort_by_address(ranges, count, scratch);
+  // The range reaching furthest among all seen so far, and among the outputs seen so far: a
+  // range overlaps an earlier one exactly when it starts before the furthest earlier end.
+  const tagged_range* furthest = nullptr;
+  const tagged_range* furthest_output = nullptr;
+  for (std::size_t n = 0; n < count; ++n) {
+    const tagged_range& r = ranges[n];
+    const bool output = r.kind != tagged_range::gradient;
+    if (output && furthest && before(r.bytes.first, furthest->bytes.last)) throw_overlap(tg, *furthest, r);
+    if (!output && furthest_output && before(r.bytes.first, furthest_output->bytes.last))
+      throw_overlap(tg, *furthest_output, r);
+    if (!furthest || before(furthest->bytes.last, r.bytes.last)) furthest = &r;
+    if (output && (!furthest_output || before(furthest_output->bytes.last, r.bytes.last))) furthest_output = &r;
+  }
+}
+
+/// Where the single pass puts every buffer's bytes, in the order of layout_cache: for each
+/// variable its gradient on every tower, its means, its squares (when passed). Empty ranges
+/// stand for absent gradients and for the outputs of skipped variables.
+struct layout_writer {
+  byte_range* slots = nullptr;  // null: nothing kept
+  std::size_t count = 0;
+  bool same = false;  // every range equals the one already there
+
+  void put(const byte_range& r) noexcept {
+    if (slots == nullptr) return;
+    if (same && slots[count] == r) {  // a repeated layout is only read, not written again
+      ++count;
+      return;
+    }
+    same = false;  // from here on the old ranges are not read (uninitialised in stack scratch)
+    slots[count++] = r;
+  }
 };
 
-template <class T>
-byte_range bytes_of(const T& t) {
-  const auto* p = reinterpret_cast<const std::byte*>(tensor_traits<T>::data(t));
-  return {p, p + tensor_traits<T>::shape(t).size() * sizeof(tensor_value_t<T>)};
-}
-
-/// Enforces the aliasing rule of average_gradients_into: means[i] may be tower 0's gradient i
-/// itself (same bytes); no other output overlaps any gradient or any other output.
-template <class TG, class Means, class Squares>
-void validate_aliasing(const TG& tg, Means& means, Squares* squares, std::size_t variable_count, alias_check mode) {
-  if (mode == alias_check::none) return;
-  using O = output_tensor_t<Means&>;
-  const std::size_t tower_count = std::ranges::size(tg);
-
-  auto output_bytes = [&](std::size_t i, bool square) -> byte_range {
-    if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
-      (void)square;
-      return bytes_of<O>(slot_get(at(means, i)));
-    } else {
-      using OS = output_tensor_t<Squares&>;
-      return square ? bytes_of<OS>(slot_get(at(*squares, i))) : bytes_of<O>(slot_get(at(means, i)));
-    }
-  };
-  auto fail = [&](std::size_t i, bool square, const std::string& other) {
-    throw aliasing_error(describe_variable(i, variable_at(tg, 0, i)) + ": the " + (square ? "squares" : "means") +
-                             " output overlaps " + other +
-                             "; outputs may overlap nothing, except that means[i] may be tower 0's gradient i "
-                             "itself (averaging in place)",
-                         i);
-  };
-  const bool has_squares = !std::is_same_v<Squares, std::nullptr_t>;
+/// The ranges the sweep must see, from a layout: the non-empty ones. A means output in place
+/// into tower 0's gradient stands for both (one range, an output), so it may overlap nothing else
+/// — not even the same variable's gradient on another tower.
+inline std::size_t tag_ranges(const byte_range* layout, std::size_t variable_count, std::size_t tower_count,
+                              bool with_squares, tagged_range* out) {
+  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
+  std::size_t n = 0;
   for (std::size_t i = 0; i < variable_count; ++i) {
-    if (is_skipped(tg, i)) continue;
-    for (int sq = 0; sq <= (has_squares ? 1 : 0); ++sq) {
-      const byte_range out = output_bytes(i, sq == 1);
-      const std::size_t first = mode == alias_check::all ? 0 : i;
-      const std::size_t last = mode == alias_check::all ? variable_count : i + 1;
-      for (std::size_t j = first; j < last; ++j) {
-        if (is_skipped(tg, j)) continue;
-        const std::string of_other = j == i ? std::string() : " of " + describe_variable(j, variable_at(tg, 0, j));
-        for (std::size_t k = 0; k < tower_count; ++k) {
-          const byte_range g = bytes_of(gradient_at(tg, k, j));
-          const bool in_place = sq == 0 && j == i && k == 0 && out == g;
-          if (!in_place && out.overlaps(g))
-            fail(i, sq == 1, (j == i ? "its gradient on tower " : "the gradient on tower ") + std::to_string(k) + of_other);
-        }
-        for (int osq = 0; osq <= (has_squares ? 1 : 0); ++osq) {
-          if (j == i && osq == sq) continue;
-          if (out.overlaps(output_bytes(j, osq == 1)))
-            fail(i, sq == 1, std::string(j == i ? "its " : "the ") + (osq ? "squares" : "means") + " output" + of_other);
-        }
-      }
+    const byte_range* v = layout + i * stride;
+    const bool in_place = !v[0].empty() && v[tower_count] == v[0];
+    for (std::size_t k = in_place ? 1 : 0; k < stride; ++k) {
+      if (v[k].empty()) continue;
+      const auto kind =
+          k < tower_count ? tagged_range::gradient : k == tower_count ? tagged_range::means : tagged_range::squares;
+      out[n++] = tagged_range{v[k], i, k < tower_count ? k : 0, kind};
     }
   }
+  return n;
+}
+
+/// Layouts of at most this many ranges are checked on the stack when no layout_cache is passed.
+inline constexpr std::size_t stack_ranges = 256;
+
+/// Scratch memory of one call without a layout_cache: on the stack (left uninitialised, so it
+/// costs nothing to declare) unless the layout is larger than stack_ranges.
+struct check_scratch {
+  std::array<byte_range, stack_ranges> layout;
+  std::array<tagged_range, stack_ranges> tagged;
+  std::unique_ptr<byte_range[]> heap_layout;  // new T[n]: left uninitialised, like the arrays
+  std::unique_ptr<tagged_range[]> heap_tagged;
+};
+
+/// What validate_into found: the counts, and the layout the kernel may read pointers from.
+struct validated {
+  std::size_t variables = 0;
+  std::size_t averaged = 0;
+  std::size_t skipped = 0;
+  const byte_range* layout = nullptr;  // null: the kernel reads the entries again
+};
+
+/// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
+/// contiguity, the variable), in one pass over the variables. Errors keep their precedence:
+/// towers and gradients first (variable by variable), then outputs, then overlaps. `stack` holds
+/// the layout when no cache is given and it fits; `heap` when neither holds and the full
+/// check needs it (the one allocation, documented in options.hpp).
+template <class TG, class Means, class Squares>
+validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
+  using V = variable_t<TG>;
+  using E = entry_t<TG>;
+  using S = tensor_value_t<gradient_tensor_t<TG>>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  const std::size_t variable_count = validate_tower_counts(tg);
+  const std::size_t tower_count = std::ranges::size(tg);
+
+  bool outputs_counted = std::ranges::size(means) == variable_count && (with_squares || !opts.include_square);
+  if constexpr (with_squares) outputs_counted = outputs_counted && std::ranges::size(*squares) == variable_count;
+  if (!outputs_counted) {
+    validate_towers(tg);
+    validate_all_outputs(tg, means, squares, variable_count, opts);
+  }
+
+  // Where the layout goes.
+  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
+  const std::size_t slots = variable_count * stride;
+  const bool full = opts.aliasing == alias_check::all;
+  layout_writer layout;
+  if (opts.layout != nullptr) {
+    auto& kept = layout_cache_access::layout(*opts.layout);
+    bool& proved = layout_cache_access::proved(*opts.layout);
+    layout.same = proved && kept.size() == slots && layout_cache_access::towers(*opts.layout) == tower_count &&
+                  layout_cache_access::squares(*opts.layout) == with_squares;
+    proved = false;  // until this call's layout passes
+    kept.resize(slots);
+    layout.slots = kept.data();
+  } else if (slots <= stack_ranges) {
+    layout.slots = scratch.layout.data();
+  } else if (full) {
+    scratch.heap_layout.reset(new byte_range[slots]);
+    layout.slots = scratch.heap_layout.get();
+  }
+
+  validated result;
+  result.variables = variable_count;
+  bool output_problem = false;
+  std::optional<std::pair<tagged_range, tagged_range>> own_overlap;  // alias_check::same_variable
+  auto tag = [](byte_range b, std::size_t i, std::size_t k, tagged_range::kind_t kind) {
+    return tagged_range{b, i, k, kind};
+  };
+
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    with_entry(tg, 0, i, [&](const E& e0) {
+      auto&& v0 = entry_traits<E>::variable(e0);
+      const gradient_read<S> g0 = read_gradient<TG>(e0);
+      const byte_range g0_bytes = g0.bytes();
+      const std::size_t bytes = g0.present ? g0.dims.size() * sizeof(S) : 0;
+      output_read<S> m, q;
+      byte_range m_bytes{}, q_bytes{};
+      if (g0.present) {
+        m = read_output(means, i);
+        output_problem = output_problem || !m.present || !(m.dims == g0.dims) || !m.contiguous;
+        if (m.present) m_bytes = {reinterpret_cast<const std::byte*>(m.data), reinterpret_cast<const std::byte*>(m.data) + bytes};
+        if constexpr (with_squares) {
+          q = read_output(*squares, i);
+          output_problem = output_problem || !q.present || !(q.dims == g0.dims) || !q.contiguous;
+          if (q.present) q_bytes = {reinterpret_cast<const std::byte*>(q.data), reinterpret_cast<const std::byte*>(q.data) + bytes};
+        }
+      }
+      const bool check_own = opts.aliasing == alias_check::same_variable && g0.present && !own_overlap;
+      auto check_own_gradient = [&](const byte_range& g, std::size_t k) {
+        if (!check_own || own_overlap) return;
+        if (m_bytes.overlaps(g) && !(k == 0 && m_bytes == g))
+          own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(g, i, k, tagged_range::gradient));
+        else if (q_bytes.overlaps(g))
+          own_overlap.emplace(tag(q_bytes, i, 0, tagged_range::squares), tag(g, i, k, tagged_range::gradient));
+      };
+
+      bool problem = !g0.contiguous;
+      std::size_t present = g0.present ? 1 : 0;
+      layout.put(g0_bytes);
+      check_own_gradient(g0_bytes, 0);
+      for (std::size_t k = 1; k < tower_count; ++k) {
+        with_entry(tg, k, i, [&](const E& ek) {
+          if constexpr (comparable_variable<V>) {
+            auto&& vk = entry_traits<E>::variable(ek);
+            if (!variable_traits<V>::same(v0, vk)) validate_variable(tg, i);  // throws the mismatch
+          }
+          const gradient_read<S> gk = read_gradient<TG>(ek);
+          present += gk.present ? 1 : 0;
+          problem = problem || (gk.present && (!(gk.dims == g0.dims) || !gk.contiguous));
+          layout.put(gk.bytes());
+          check_own_gradient(gk.bytes(), k);
+        });
+      }
+      if (present != 0 && present != tower_count) problem = true;
+      if (problem) {
+        validate_variable(tg, i);  // throws the precise error
+        throw shape_error(describe_variable_at(tg, i) + ": its gradients changed while being read", i);
+      }
+      layout.put(m_bytes);
+      if constexpr (with_squares) layout.put(q_bytes);
+      if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
+        own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
+      ++(g0.present ? result.averaged : result.skipped);
+    });
+  }
+
+  if (output_problem) {
+    validate_all_outputs(tg, means, squares, variable_count, opts);
+    throw output_error("gradavg: an output changed while being read");
+  }
+  if (own_overlap) throw_overlap(tg, own_overlap->first, own_overlap->second);
+
+  if (full && !layout.same) {
+    // Room for the ranges and as many again for the radix sort, except on the stack.
+    tagged_range* tagged = scratch.tagged.data();
+    tagged_range* sort_scratch = nullptr;
+    if (opts.layout != nullptr) {
+      auto& kept = layout_cache_access::sorted(*opts.layout);
+      kept.resize(2 * slots);
+      tagged = kept.data();
+    } else if (slots > stack_ranges) {
+      scratch.heap_tagged.reset(new tagged_range[2 * slots]);
+      tagged = scratch.heap_tagged.get();
+    }
+    if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
+    check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged),
+                   sort_scratch);
+  }
+  if (opts.layout != nullptr) {
+    // Remembered as proved only for the full check: a cache hit skips it.
+    layout_cache_access::towers(*opts.layout) = tower_count;
+    layout_cache_access::squares(*opts.layout) = with_squares;
+    layout_cache_access::proved(*opts.layout) = full;
+  }
+  result.layout = layout.slots;
+  return result;
 }
 
 }  // namespace detail
