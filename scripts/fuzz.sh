@@ -11,6 +11,9 @@
 # working corpus, so consecutive runs continue where the last stopped. Both live under
 # ${GRADAVG_BUILD_ROOT:-build}/fuzz. Replay one input: <build>/tests/fuzz/fuzz_average FILE
 # (GRADAVG_FUZZ_VERBOSE=1 prints the decoded call and the model's verdict).
+# GRADAVG_FUZZ_NO_LARGE=1 leaves out the cases large enough for several threads' chunks (about
+# 1 MiB per chunk, hundreds of times the cost of a small case): for long runs that count
+# executions; run without it too, so that the threaded split is fuzzed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/fuzz"

@@ -152,6 +152,7 @@ struct case_desc {
 std::string describe(const case_desc& c) {
   std::ostringstream os;
   os << (c.is_double ? "double" : "float") << (c.pointer_slots ? ", pointer slots" : ", optional slots")
+     << (c.large ? ", large" : "")
      << ", T=" << c.towers << ", arena " << c.arena_size << " elements, values mode " << c.value_mode << " seed "
      << c.seed << "\n  options: threads " << c.threads << (c.use_pool ? " (pool)" : "")
      << (c.streaming ? ", streaming" : "") << (c.include_square ? ", include_square" : "") << ", aliasing "
@@ -224,6 +225,17 @@ dims mutate(const dims& d, std::uint8_t how) {
   return m;
 }
 
+/// Large cases (variables of about 1 MiB, so that threads get several chunks each) cost
+/// hundreds of times a small one: GRADAVG_FUZZ_NO_LARGE=1 decodes them as small, for long runs
+/// that want executions per second. Read once, so every input decodes the same way in a run.
+bool large_cases_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("GRADAVG_FUZZ_NO_LARGE");
+    return v == nullptr || std::string(v) == "0";
+  }();
+  return enabled;
+}
+
 class decoder {
  public:
   decoder(const std::uint8_t* data, std::size_t size) : in_(data, size) {}
@@ -239,15 +251,15 @@ class decoder {
     c.streaming = (flags & 32) != 0;
     c.use_pool = (flags & 64) != 0;
     const bool shared_ids = (flags & 128) != 0;  // the same variable at every position
-    const std::uint8_t tb = byte();
-    c.towers = tb == 0xFF ? 0 : 1 + tb % 20;
+    const std::uint8_t tb = byte();  // mostly 1..4 towers (cheaper runs), else up to 20
+    c.towers = tb == 0xFF ? 0 : (tb & 0x80) ? 1 + tb % 20 : 1 + tb % 4;
     std::size_t v = byte() % 9;
     const std::uint8_t ob = byte();
     c.threads = ob % 5;
     c.aliasing = static_cast<alias_mode>((ob >> 3) % 4);
     const std::uint8_t mb = byte();
     c.value_mode = mb % 4;
-    c.large = byte() == 0xA7;
+    c.large = byte() == 0xA7 && large_cases_enabled();
     if (c.large) {
       c.towers = std::min<std::size_t>(c.towers, 2);
       v = std::min<std::size_t>(v, 4);
