@@ -14,9 +14,15 @@
 # GRADAVG_FUZZ_NO_LARGE=1 leaves out the cases large enough for several threads' chunks (about
 # 1 MiB per chunk, hundreds of times the cost of a small case): for long runs that count
 # executions; run without it too, so that the threaded split is fuzzed.
+# GRADAVG_FUZZ_NATIVE=OFF builds for the baseline instruction set (SSE2: 16-byte packets, four
+# per step) instead of -march=native, in ${GRADAVG_BUILD_ROOT:-build}/fuzz-baseline: some kernel
+# paths differ by packet width (a reload offset within a step is invisible with one 64-byte
+# packet per step), so fuzz both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+native="${GRADAVG_FUZZ_NATIVE:-ON}"
 build="${GRADAVG_BUILD_ROOT:-build}/fuzz"
+if [ "$native" = OFF ]; then build="$build-baseline"; fi
 seconds=600
 runs=-1
 while (($#)); do
@@ -29,7 +35,8 @@ while (($#)); do
 done
 
 cmake -S . -B "$build" -DCMAKE_CXX_COMPILER="${GRADAVG_FUZZ_CXX:-clang++-14}" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-  -DGRADAVG_BUILD_FUZZ=ON -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_WERROR=ON > /dev/null
+  -DGRADAVG_BUILD_FUZZ=ON -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_WERROR=ON \
+  -DGRADAVG_NATIVE="$native" > /dev/null
 cmake --build "$build" --target fuzz_average -j "$(nproc)"
 
 inputs=(tests/fuzz/corpus)

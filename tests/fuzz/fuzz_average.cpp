@@ -507,22 +507,23 @@ class model {
   [[nodiscard]] overlaps overlap_stage() const {
     overlaps r;
     struct buffer {
-      std::size_t first, last, variable;
-      bool output, square, skipped;
-      std::size_t tower;
+      std::size_t first, last;  // elements [first, last) of the arena
+      std::size_t variable;
+      bool square, skipped;  // a squares output; a skipped variable's output
+      std::size_t tower;     // of a gradient
     };
     std::vector<buffer> outs, grads;
     for (std::size_t i = 0; i < v(); ++i) {
       if (!skipped(i))
         for (std::size_t k = 0; k < c_.towers; ++k) {
           const slot_desc& g = c_.grads[k][i];
-          grads.push_back({g.offset, g.offset + g.count(), i, false, false, false, k});
+          grads.push_back({g.offset, g.offset + g.count(), i, false, false, k});
         }
       for (int sq = 0; sq <= (c_.pass_squares ? 1 : 0); ++sq) {
         const std::vector<slot_desc>& list = sq ? c_.squares : c_.means;
         if (i >= list.size()) continue;  // a count the output stage rejects
         const slot_desc& o = list[i];
-        if (o.present) outs.push_back({o.offset, o.offset + o.count(), i, true, sq == 1, skipped(i), 0});
+        if (o.present) outs.push_back({o.offset, o.offset + o.count(), i, sq == 1, skipped(i), 0});
       }
     }
     auto overlap = [](const buffer& a, const buffer& b) {
