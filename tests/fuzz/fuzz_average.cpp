@@ -746,6 +746,8 @@ bool check_outcome(const case_desc& c, const char* api, const std::optional<thro
 }
 
 /// Which roundings of the squares a call's results are consistent with: bit 0 fused, bit 1 not.
+/// Every element of a call must be rounded the same way (the scalar tail as the packets). Once
+/// gradavg names the rule as a constant (fused exactly where the target has FMA), start from it.
 struct square_rounding {
   unsigned possible = 3;
   GRADAVG_FUZZ_UNTRACED void check(const case_desc& c, const char* where, std::size_t j, double got_d, bool fused_ok, bool unfused_ok) {
