@@ -75,7 +75,7 @@ stage_tsan() {
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
   build "$root/tsan" test_threads test_thread_failures
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures): "
+    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures):"
 }
 
 stage_arm() {
