@@ -11,13 +11,17 @@
 #   tsan      GCC, ThreadSanitizer: the thread tests
 #   arm       aarch64 (NEON) cross build with g++-aarch64-linux-gnu: tests and examples, run
 #             under qemu-aarch64
+#   fuzz      Clang 14 libFuzzer target under ASan+UBSan (baseline SSE2 build: 16-byte packets,
+#             four per step, exercise what one 64-byte packet per step hides): the seed corpus,
+#             the regression inputs, then 60 s of fuzzing (fuzz_smoke); longer runs:
+#             scripts/fuzz.sh
 # GRADAVG_STAGES="werror clang" runs only the stages named. Build trees go under
 # ${GRADAVG_BUILD_ROOT:-build}; GRADAVG_JOBS sets the build and test parallelism (default: nproc).
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 root="${GRADAVG_BUILD_ROOT:-build}"
 jobs="${GRADAVG_JOBS:-$(nproc)}"
-stages="${GRADAVG_STAGES:-deps werror sanitize clang tsan arm}"
+stages="${GRADAVG_STAGES:-deps werror sanitize clang tsan arm fuzz}"
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 
@@ -86,6 +90,14 @@ stage_arm() {
   run_ctest "$root/aarch64"
 }
 
+stage_fuzz() {
+  configure "$root/fuzz" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON -DGRADAVG_NATIVE=OFF -DGRADAVG_BUILD_FUZZ=ON \
+    -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
+  build "$root/fuzz" fuzz_average
+  run_ctest "$root/fuzz" -R "^fuzz_smoke"
+}
+
 # CPU seconds (user + system) used so far by this script's finished child processes.
 cpu_seconds() {
   awk -v hz="$(getconf CLK_TCK)" '{ printf "%d", ($16 + $17) / hz }' "/proc/$$/stat"
@@ -96,7 +108,7 @@ stage=""
 trap 'echo "== stage $stage FAILED after $((SECONDS - start))s"' ERR
 for stage in $stages; do
   if ! declare -F "stage_$stage" >/dev/null; then
-    echo "unknown stage '$stage' (deps werror sanitize clang tsan arm)" >&2
+    echo "unknown stage '$stage' (deps werror sanitize clang tsan arm fuzz)" >&2
     exit 2
   fi
   echo "== stage $stage"

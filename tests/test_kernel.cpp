@@ -132,3 +132,30 @@ TEMPLATE_TEST_CASE("a NaN result is the default quiet NaN on every path, thread 
       CHECK(wrong == 0);
     }
 }
+
+TEMPLATE_TEST_CASE("an element rounds alike in a tail and inside whole steps", "", float, double) {
+  // The same inputs averaged as a short variable (all tail) and as part of a long one (whole
+  // packet steps): every element's mean and square must be the same bits. Squares differ where a
+  // target's tail and packet paths disagree on fusing the multiply-add.
+  using S = TestType;
+  const std::size_t tower_count = GENERATE(2, 5, 17);
+  constexpr std::size_t long_n = 64;
+  std::vector<std::vector<S>> data;
+  for (std::size_t k = 0; k < tower_count; ++k)
+    data.push_back(gradavg_test::random_values<S>(long_n, static_cast<std::uint32_t>(300 + k)));
+  auto average = [&](std::size_t n, std::vector<S>& mean, std::vector<S>& square) {
+    std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+    for (std::size_t k = 0; k < tower_count; ++k) tg[k].push_back({std::span<const S>(data[k].data(), n), 0});
+    std::vector<std::span<S>> m{std::span<S>(mean.data(), n)}, q{std::span<S>(square.data(), n)};
+    gradavg::average_gradients_into(tg, m, q);
+  };
+  std::vector<S> long_mean(long_n), long_square(long_n);
+  average(long_n, long_mean, long_square);
+  for (std::size_t n = 1; n < 32; ++n) {
+    INFO("towers " << tower_count << ", short variable of " << n);
+    std::vector<S> mean(n), square(n);
+    average(n, mean, square);
+    CHECK(gradavg_test::same_bits(mean.data(), long_mean.data(), n));
+    CHECK(gradavg_test::same_bits(square.data(), long_square.data(), n));
+  }
+}
