@@ -96,18 +96,27 @@ TEST_CASE("threads started for the call that cannot start leave their chunks to 
 #endif
 }
 
+namespace {
+
+/// In the child: tasks on the pool's workers and on the calling thread each average on the same
+/// pool; every result must equal the serial one.
+int nested_use_on(gradavg::executor& pool) {
+  const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
+  const auto serial = w.run({.threads = 1});
+  std::vector<std::pair<std::vector<gradavg_test::grads>, std::vector<gradavg_test::grads>>> results(6);
+  auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = &pool}); };
+  pool.parallel_for(results.size(), gradavg::task_ref(task));
+  for (const auto& r : results)
+    if (!bitwise_equal(r.first, serial.first) || !bitwise_equal(r.second, serial.second)) return int{wrong_result};
+  return int{passed};
+}
+
+}  // namespace
+
 TEST_CASE("a thread_pool task that calls gradavg on the same pool runs it inline instead of deadlocking") {
   const auto end = run_in_child(time_limit_seconds, [] {
-    const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
-    const auto serial = w.run({.threads = 1});
     gradavg::thread_pool pool(3);
-    // Tasks on the workers and on the calling thread each average on the same pool.
-    std::vector<std::pair<std::vector<gradavg_test::grads>, std::vector<gradavg_test::grads>>> results(6);
-    auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = &pool}); };
-    pool.parallel_for(results.size(), gradavg::task_ref(task));
-    for (const auto& r : results)
-      if (!bitwise_equal(r.first, serial.first) || !bitwise_equal(r.second, serial.second)) return int{wrong_result};
-    return int{passed};
+    return nested_use_on(pool);
   });
   INFO("child " << end.describe());
   CHECK(end.ok());
@@ -115,16 +124,9 @@ TEST_CASE("a thread_pool task that calls gradavg on the same pool runs it inline
 
 TEST_CASE("an Eigen pool's task that calls gradavg on the same pool runs it inline instead of deadlocking") {
   const auto end = run_in_child(time_limit_seconds, [] {
-    const workload w(4, {300000});
-    const auto serial = w.run({.threads = 1});
     Eigen::ThreadPool eigen_pool(3);
     gradavg::eigen_thread_pool_executor pool(eigen_pool);
-    std::vector<std::pair<std::vector<gradavg_test::grads>, std::vector<gradavg_test::grads>>> results(6);
-    auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = &pool}); };
-    pool.parallel_for(results.size(), gradavg::task_ref(task));
-    for (const auto& r : results)
-      if (!bitwise_equal(r.first, serial.first) || !bitwise_equal(r.second, serial.second)) return int{wrong_result};
-    return int{passed};
+    return nested_use_on(pool);
   });
   INFO("child " << end.describe());
   CHECK(end.ok());
