@@ -299,28 +299,35 @@ TEST_CASE("a task that throws reaches the caller after every started task has re
 }
 
 TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller, whichever thread ran it") {
-  const std::size_t towers = 4;
-  const std::size_t n = 400000;  // means only: 20 bytes per element, 8 MB, worth 7 chunks
-  std::vector<std::vector<float>> data;
+  // 100 variables on 4 towers: 500 buffers, more than the checks keep on the stack. With a partial
+  // overlap check (none here) and no layout_cache the checks keep no layout, so the chunks read
+  // every gradient's data() again, on whichever thread runs them.
+  const std::size_t towers = 4, variables = 100;
+  const std::size_t n = 4000;  // means only: 20 bytes per element, 8 MB in all, worth 7 chunks
+  std::vector<std::vector<std::vector<float>>> data(towers);
   for (std::size_t k = 0; k < towers; ++k)
-    data.push_back(gradavg_test::random_values<float>(n, static_cast<std::uint32_t>(k + 7)));
+    for (std::size_t i = 0; i < variables; ++i)
+      data[k].push_back(gradavg_test::random_values<float>(n, static_cast<std::uint32_t>(k * variables + i + 7)));
   std::atomic<bool> armed{false};
   auto towers_of = [&](std::thread::id only) {
     std::vector<std::vector<std::pair<user::fragile_tensor, int>>> tg(towers);
-    for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({user::fragile_tensor{&data[k], &armed, only}, 0});
+    for (std::size_t k = 0; k < towers; ++k)
+      for (std::size_t i = 0; i < variables; ++i)
+        tg[k].push_back({user::fragile_tensor{&data[k][i], &armed, only}, static_cast<int>(i)});
     return tg;
   };
   const auto tg = towers_of({});
-  std::vector<std::vector<float>> serial{std::vector<float>(n)};
+  constexpr auto unchecked = gradavg::alias_check::none;
+  std::vector<std::vector<float>> serial(variables, std::vector<float>(n));
   gradavg::average_gradients_into(tg, serial, {.threads = 1});
 
   for (const auto& e : executors_under_test(4)) {
     INFO(e.name);
     armed = false;
     arming_executor arming(*e.exec, armed);
-    std::vector<std::vector<float>> means{std::vector<float>(n)};
+    std::vector<std::vector<float>> means(variables, std::vector<float>(n));
     const std::string message = gradavg_test::message_of<std::runtime_error>(
-        [&] { gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = &arming}); });
+        [&] { gradavg::average_gradients_into(tg, means, {.aliasing = unchecked, .threads = 4, .pool = &arming}); });
     CHECK(message == "tensor storage unavailable");
     armed = false;  // the executor serves the next call as before
     gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = e.exec});
@@ -330,10 +337,23 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
   // Threads started for the call: chunk 0 runs on the caller, where data() works; the others
   // throw on their own threads.
   const auto caller_only = towers_of(std::this_thread::get_id());
-  std::vector<std::vector<float>> means{std::vector<float>(n)};
+  std::vector<std::vector<float>> means(variables, std::vector<float>(n));
   const std::string message = gradavg_test::message_of<std::runtime_error>(
-      [&] { gradavg::average_gradients_into(caller_only, means, {.threads = 4}); });
+      [&] { gradavg::average_gradients_into(caller_only, means, {.aliasing = unchecked, .threads = 4}); });
   CHECK(message == "tensor storage unavailable");
+
+  // The full check keeps the layout it read (on the stack, on the heap or in a layout_cache), and
+  // the chunks use those pointers: data() is called by the checks alone, on the calling thread.
+  std::vector<std::vector<float>> checked(variables, std::vector<float>(n));
+  gradavg::average_gradients_into(caller_only, checked, {.threads = 4});
+  CHECK(bitwise_equal(checked, serial));
+
+  // With a layout_cache the chunks use the pointers the checks read: data() is called by the
+  // checks alone, on the calling thread, before anything is written.
+  gradavg::layout_cache cache;
+  std::vector<std::vector<float>> cached(variables, std::vector<float>(n));
+  gradavg::average_gradients_into(caller_only, cached, {.layout = &cache, .threads = 4});
+  CHECK(bitwise_equal(cached, serial));
 }
 
 TEST_CASE("an executor that fails, or returns before running every task, is reported") {
