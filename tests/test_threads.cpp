@@ -93,6 +93,22 @@ std::vector<executor_under_test> executors_under_test(std::size_t threads) {
   return all;
 }
 
+/// Requires w's results with `threads` threads, started for the call and on every executor, to be
+/// bitwise those of the serial run.
+void check_like_serial(const workload& w, const std::pair<std::vector<grads>, std::vector<grads>>& serial,
+                       std::size_t threads, const std::vector<executor_under_test>& executors) {
+  INFO("threads = " << threads);
+  const auto started = w.run({.threads = threads});  // threads started for the call
+  CHECK(bitwise_equal(started.first, serial.first));
+  CHECK(bitwise_equal(started.second, serial.second));
+  for (const auto& e : executors) {
+    INFO(e.name);
+    const auto pooled = w.run({.threads = threads, .pool = e.exec});
+    CHECK(bitwise_equal(pooled.first, serial.first));
+    CHECK(bitwise_equal(pooled.second, serial.second));
+  }
+}
+
 /// Forwards to another executor, first arming a switch (validation has passed by then).
 struct arming_executor final : gradavg::executor {
   gradavg::executor* inner;
@@ -153,16 +169,8 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
 
   const auto executors = executors_under_test(3);
   for (std::size_t threads : {1, 2, 3, 8}) {
+    check_like_serial(w, serial, threads, executors);
     INFO("threads = " << threads);
-    const auto started = w.run({.threads = threads});  // threads started for the call
-    CHECK(bitwise_equal(started.first, serial.first));
-    CHECK(bitwise_equal(started.second, serial.second));
-    for (const auto& e : executors) {
-      INFO(e.name);
-      const auto pooled = w.run({.threads = threads, .pool = e.exec});
-      CHECK(bitwise_equal(pooled.first, serial.first));
-      CHECK(bitwise_equal(pooled.second, serial.second));
-    }
     counting_executor counting;
     const auto counted = w.run({.threads = threads, .pool = &counting});
     CHECK(bitwise_equal(counted.first, serial.first));
@@ -380,18 +388,7 @@ TEST_CASE("chunks run in the caller's floating-point environment, whichever thre
   const std::size_t n = 700001;  // means and squares: 20 bytes per element, 14 MB
 
   auto check_every_executor = [&](const workload& w, const std::pair<std::vector<grads>, std::vector<grads>>& serial) {
-    for (std::size_t threads : {2, 3, 4}) {
-      INFO("threads = " << threads);
-      const auto started = w.run({.threads = threads});
-      CHECK(bitwise_equal(started.first, serial.first));
-      CHECK(bitwise_equal(started.second, serial.second));
-      for (const auto& e : executors) {
-        INFO(e.name);
-        const auto pooled = w.run({.threads = threads, .pool = e.exec});
-        CHECK(bitwise_equal(pooled.first, serial.first));
-        CHECK(bitwise_equal(pooled.second, serial.second));
-      }
-    }
+    for (std::size_t threads : {2, 3, 4}) check_like_serial(w, serial, threads, executors);
   };
 
   SECTION("flush to zero, denormals as zero") {
