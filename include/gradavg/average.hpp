@@ -27,6 +27,7 @@
 #include "errors.hpp"
 #include "executor.hpp"
 #include "options.hpp"
+#include "statistics.hpp"
 #include "tensor.hpp"
 
 namespace gradavg {
@@ -57,12 +58,8 @@ struct averaged_gradients {
   std::vector<std::pair<Tensor, Variable>> squares;
   /// Variables left out because their gradient was absent on every tower.
   std::vector<skipped_variable<Variable>> skipped;
-};
-
-/// What average_gradients_into reports.
-struct summary {
-  std::size_t averaged = 0;  ///< variables written
-  std::size_t skipped = 0;   ///< variables absent on every tower, outputs left untouched
+  /// Counts, non-finite report and fused statistics, as average_gradients_into returns them.
+  summary report;
 };
 
 namespace detail {

@@ -55,4 +55,16 @@ class aliasing_error : public error {
   using error::error;
 };
 
+/// An option is invalid: scale not finite, samples_per_tower negative or not finite, a range
+/// with begin > end, per_variable of the wrong size.
+class option_error : public error {
+  using error::error;
+};
+
+/// options.weights: not one per tower, a weight negative or not finite (the message names the
+/// tower), or a sum that is not positive and finite.
+class weight_error : public option_error {
+  using option_error::option_error;
+};
+
 }  // namespace gradavg

@@ -5,6 +5,7 @@
 #include "version.hpp"   // GRADAVG_VERSION_*
 #include "errors.hpp"    // gradavg::error and its subclasses
 #include "options.hpp"   // gradavg::options
+#include "statistics.hpp"  // summary, variable_statistics, noise_estimate
 #include "layout_cache.hpp"  // layout_cache: reuse of the overlap check across calls
 #include "executor.hpp"  // threads: executor, thread_pool
 #include "tensor.hpp"    // tensor_traits, shape; std::vector / std::span / std::array support

@@ -5,11 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
 
 namespace gradavg {
 
 class executor;
 class layout_cache;
+struct variable_statistics;
 
 /// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
@@ -26,6 +28,28 @@ enum class alias_check : std::uint8_t {
   all,
   /// No check: the caller guarantees the aliasing rules of average_gradients_into.
   none,
+};
+
+/// The type float gradients are summed in (16-bit gradients are always summed in float, double
+/// gradients in double).
+enum class accumulation : std::uint8_t {
+  native,            ///< float in float: the mean within about T/2 ulp (sum in tower order)
+  double_precision,  ///< float in double, rounded once to the output: within half an ulp + T * 2^-53
+};
+
+/// What happens when an input element is NaN or +-Inf (see average.hpp, "Non-finite inputs").
+enum class nonfinite_policy : std::uint8_t {
+  ignore,  ///< no detection (the default): results are what IEEE arithmetic gives, nothing reported
+  report,  ///< detected and reported per variable and in total; results as with ignore
+  zero,    ///< detected and reported; every output element of that variable is written as +0
+};
+
+/// A range [begin, end) of the flat element range of all variables: variables in their order,
+/// each contributing its tower-0 gradient's element count (0 when absent), elements in storage
+/// order. The default covers everything; end is clamped to the total.
+struct element_range {
+  std::size_t begin = 0;
+  std::size_t end = std::numeric_limits<std::size_t>::max();
 };
 
 struct options {
@@ -56,6 +80,40 @@ struct options {
 
   /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
   executor* pool = nullptr;
+
+  // ---- The training step, fused into the same pass (average.hpp). ----
+
+  /// Type in which float gradients are summed.
+  accumulation accumulate = accumulation::native;
+
+  /// Tower weights: mean = sum_k w_k g_k / sum_k w_k (and the mean of squares likewise). Empty:
+  /// every tower weighs 1. Otherwise one per tower, each finite and >= 0, with a positive finite
+  /// sum (weight_error). Not owned; read during the call only.
+  std::span<const double> weights = {};
+
+  /// Factor applied to every mean after the division by the weight sum (and its square to every
+  /// mean of squares): unscaling by a loss scale. Finite (option_error).
+  double scale = 1.0;
+
+  /// Detection of NaN and +-Inf inputs (summary::nonfinite_variables).
+  nonfinite_policy on_nonfinite = nonfinite_policy::ignore;
+
+  /// Fused statistics: summary's sum_mean_squared and sum_mean_of_squares (and so the global
+  /// norm and the noise estimate), accumulated in double, bitwise the same for any thread count.
+  bool statistics = false;
+
+  /// Mean number of samples behind one tower's gradient, for the noise estimate; with weights,
+  /// tower k's count is taken as proportional to w_k. 0: unknown (noise estimate left NaN).
+  double samples_per_tower = 0;
+
+  /// Per-variable results: empty, or exactly one per variable (output_error), written for every
+  /// averaged variable (statistics when statistics is set, nonfinite when detection is on).
+  /// Not owned.
+  std::span<variable_statistics> per_variable = {};
+
+  /// Only these elements of the flat range of all variables are averaged and written (partial
+  /// call: a bucket); other output elements are left untouched. Validation covers every variable.
+  element_range range = {};
 };
 
 }  // namespace gradavg
