@@ -87,6 +87,7 @@ struct segment_record {
   piece_result inner;
   std::size_t inner_nonfinite;
 };
+static_assert(std::is_trivially_default_constructible_v<segment_record>);
 
 /// Whether options ask for anything beyond the plain mean (and squares).
 inline bool fused_requested(const options& opts) noexcept {
@@ -218,9 +219,9 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
 
   // Variables over several segments, combined piece by piece in segment order; the sums over
   // everything, variable by variable in order.
-  piece_result open;
+  piece_result open{};
   std::size_t open_variable = segment_record::none;
-  piece_result everything;
+  piece_result everything{};
   for (std::size_t s = 0; s < segments; ++s) {
     segment_record& record = records[s];
     if (record.head_variable != segment_record::none) {

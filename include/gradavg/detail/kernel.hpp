@@ -94,11 +94,12 @@ struct fused_params {
   Acc scale_squared = 1;
 };
 
-/// What the fused pass found in one piece of one variable.
+/// What the fused pass found in one piece of one variable. Trivial (value-initialise it: {}),
+/// so that arrays of records holding it cost nothing to declare.
 struct piece_result {
-  bool nonfinite = false;          // an input element was NaN or +-Inf
-  double sum_mean_squared = 0;     // over the piece's elements, in double
-  double sum_mean_of_squares = 0;
+  bool nonfinite;             // an input element was NaN or +-Inf
+  double sum_mean_squared;    // over the piece's elements, in double
+  double sum_mean_of_squares;
 
   void add(const piece_result& other) noexcept {
     nonfinite = nonfinite || other.nonfinite;
@@ -143,7 +144,7 @@ struct fused_state {
 
   /// The piece's result: lanes summed in a fixed order.
   piece_result result() const noexcept {
-    piece_result r;
+    piece_result r{};
     alignas(64) Acc probe_lanes[ops::width];
     for (std::size_t u = 0; u < U; ++u) {
       ops::store(probe_lanes, probe[u]);
