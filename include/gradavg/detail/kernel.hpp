@@ -303,7 +303,11 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
   constexpr bool Squares = WithSquare || Fused;
   const S* group[group_towers];
   Acc weights[group_towers];
-  fused_state<Acc> state;
+  struct no_state {};
+  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;  // registers of the fused pass
+  fused_state<Acc>* const state_ptr = [&]() -> fused_state<Acc>* {
+    if constexpr (Fused) return &state; else return nullptr;
+  }();
   auto set_weights = [&](std::size_t first, std::size_t count) {
     if constexpr (Fused)
       for (std::size_t k = 0; k < count; ++k)
@@ -315,7 +319,7 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
     set_weights(0, tower_count);
     group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
         group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, weights, fused,
-        &state}
+        state_ptr}
         .run(end - begin);
   } else {
     constexpr std::size_t B = block_elements<Acc>;
@@ -331,22 +335,22 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
         O* q = square ? square + block : nullptr;
         if (first == 0)
           group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                    &state}
+                                                                    state_ptr}
               .run(len);
         else if (first + count < tower_count)
           group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                   &state}
+                                                                   state_ptr}
               .run(len);
         else
           group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                  &state}
+                                                                  state_ptr}
               .run(len);
       }
     }
   }
   if constexpr (Stream) streaming_fence();
   if constexpr (Fused)
-    return state.result();
+    return state_ptr->result();
   else
     return {};
 }

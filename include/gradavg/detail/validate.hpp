@@ -348,7 +348,7 @@ GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
 }
 
 /// At most one dimension above 1: the elements' order does not depend on the storage order.
-inline bool flat_shape(const shape& s) noexcept {
+GRADAVG_HOT_ bool flat_shape(const shape& s) noexcept {
   std::size_t non_trivial = 0;
   for (std::size_t d = 0; d < s.rank; ++d) non_trivial += s.dims[d] > 1 ? 1 : 0;
   return non_trivial <= 1;
@@ -356,7 +356,7 @@ inline bool flat_shape(const shape& s) noexcept {
 
 /// An output fits a gradient of the same shape, or of the same element count when either is
 /// flat (a std::span for a matrix, a bucket buffer): equal size and equal element order.
-inline bool output_fits(const shape& output, const shape& gradient) noexcept {
+GRADAVG_HOT_ bool output_fits(const shape& output, const shape& gradient) noexcept {
   return output == gradient || (output.size() == gradient.size() && (flat_shape(output) || flat_shape(gradient)));
 }
 
