@@ -238,8 +238,8 @@ auto run_poisoned(fused_towers<S>& w, const poison& p, const gradavg::options& o
 }
 
 /// Requires every output and statistic of w under opts to be bitwise the serial run's with 2, 3
-/// and 8 threads started for the call and on a thread_pool (threads left unset and given); the
-/// serial run itself against the reference.
+/// and 8 threads started for the call and on a thread_pool (threads left unset and given), and
+/// with streaming stores; the serial run itself against the reference.
 template <class O = void, class S>
 void require_same_for_every_thread_count(const fused_towers<S>& w, gradavg::options opts, double tol) {
   opts.threads = 1;
@@ -257,10 +257,19 @@ void require_same_for_every_thread_count(const fused_towers<S>& w, gradavg::opti
     opts.pool = &pool;
     require_same_bits(serial, run_into<O>(w, opts));
   }
-  INFO("the pool's own concurrency");
-  opts.threads = gradavg::default_threads;
-  opts.pool = &pool;
-  require_same_bits(serial, run_into<O>(w, opts));
+  {
+    INFO("the pool's own concurrency");
+    opts.threads = gradavg::default_threads;
+    opts.pool = &pool;
+    require_same_bits(serial, run_into<O>(w, opts));
+  }
+  opts.pool = nullptr;
+  opts.streaming_stores = true;
+  for (std::size_t threads : {1, 3}) {
+    INFO("streaming stores, threads = " << threads);
+    opts.threads = threads;
+    require_same_bits(serial, run_into<O>(w, opts));
+  }
 }
 
 

@@ -484,6 +484,56 @@ TEST_CASE("a range is clamped to the flat total, and non-finite inputs outside i
   CHECK(run_into(w, opts).summary.averaged == 0);
 }
 
+TEST_CASE("zero policy on a bucket over many segments: only the bucket's elements of the flagged variable are zeroed") {
+  // 703,000 elements: the flat range is cut into segments larger than the split granularity.
+  fused_towers<float> w(2, {3000, 700000}, {}, 47);
+  w.data[1][1][400000] = std::numeric_limits<float>::quiet_NaN();
+  gradavg::options opts;
+  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.statistics = true;
+  opts.range = {2000, 600000};
+  for (std::size_t threads : {1, 3}) {
+    INFO("threads = " << threads);
+    opts.threads = threads;
+    const auto r = run_into(w, opts);
+    CHECK(r.summary.nonfinite_variables == 1);
+    CHECK_FALSE(r.per_variable[0].nonfinite);
+    CHECK(r.per_variable[1].nonfinite);
+    const auto want = w.expect({}, 1.0, 2000, 600000);
+    CHECK(first_fused_mismatch(r.means[0].data(), want[0], false, fused_tolerance<float>(2)) == 3000);
+    CHECK(std::count(r.means[0].begin(), r.means[0].begin() + 2000, sentinel_value<float>) == 2000);
+    const auto& m = r.means[1];
+    CHECK(std::count_if(m.begin(), m.begin() + 597000, [](float x) { return std::bit_cast<std::uint32_t>(x) != 0; }) == 0);
+    CHECK(std::count_if(m.begin() + 597000, m.end(), [](float x) { return x != sentinel_value<float>; }) == 0);
+    CHECK(r.summary.sum_mean_squared == Approx(want[0].sum_mean_squared).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("in place (means into tower 0's gradients) with every fused option: the same bits as out of place") {
+  for (std::size_t threads : {1, 3}) {
+    INFO("threads = " << threads);
+    fused_towers<float> w(5, {7, 64, 300000, 33}, {}, 53);
+    w.data[3][3][5] = -std::numeric_limits<float>::infinity();
+    const std::vector<double> weights{1, 2, 0, 4, 1};
+    gradavg::options opts;
+    opts.weights = weights;
+    opts.scale = 0.5;
+    opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+    opts.statistics = true;
+    opts.threads = threads;
+    const auto apart = run_into(w, opts, false);
+    std::vector<gradavg::variable_statistics> entries(4, untouched_entry);
+    opts.per_variable = entries;
+    std::vector<std::vector<float>*> in_place;
+    for (auto& g : w.data[0]) in_place.push_back(&g);
+    const auto s = gradavg::average_gradients_into(w.tg, in_place, opts);
+    CHECK(same_bits_all(w.data[0], apart.means));
+    CHECK(s.nonfinite_variables == 1);
+    CHECK(entries[3].nonfinite);
+    CHECK(same_double_bits(s.sum_mean_squared, apart.summary.sum_mean_squared));
+  }
+}
+
 TEST_CASE("flat outputs for matrix gradients are accepted; a transposed shape is not") {
   Eigen::MatrixXf a0 = Eigen::MatrixXf::Random(3, 4), a1 = Eigen::MatrixXf::Random(3, 4);
   using row_major = Eigen::Matrix<float, 3, 4, Eigen::RowMajor>;
