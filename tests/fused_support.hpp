@@ -168,8 +168,9 @@ struct poison {
 };
 
 /// Requires the run with p applied to report exactly p's variable and to hold what policy gives:
-/// report: the poisoned element's mean and square are what IEEE arithmetic gives, every other
-/// element is bitwise clean's; zero: every output element of that variable is +0.
+/// report: the poisoned element's mean and square are what IEEE arithmetic gives (a NaN as the
+/// default quiet NaN of O), every other element is bitwise clean's; zero: every output element of
+/// that variable is +0.
 template <class O>
 void require_poison_handled(const fused_run<O>& clean, const fused_run<O>& got, const poison& p,
                             gradavg::nonfinite_policy policy, const std::vector<bool>& absent, bool weight_zero = false) {
@@ -191,6 +192,7 @@ void require_poison_handled(const fused_run<O>& clean, const fused_run<O>& got, 
       continue;
     }
     std::size_t wrong = 0;
+    const O quiet_nan = std::numeric_limits<O>::quiet_NaN();
     for (std::size_t j = 0; j < got.means[i].size(); ++j) {
       const double m = gradavg_test::as_double(got.means[i][j]), q = gradavg_test::as_double(got.squares[i][j]);
       bool ok;
@@ -198,8 +200,9 @@ void require_poison_handled(const fused_run<O>& clean, const fused_run<O>& got, 
         ok = same_double_bits(m, 0.0) && same_double_bits(q, 0.0);
       else if (j != p.element)
         ok = got.means[i][j] == clean.means[i][j] && got.squares[i][j] == clean.squares[i][j];
-      else if (std::isnan(p.value) || weight_zero)
-        ok = std::isnan(m) && std::isnan(q);  // 0 * Inf is NaN
+      else if (std::isnan(p.value) || weight_zero)  // 0 * Inf is NaN: the default quiet NaN of O
+        ok = std::memcmp(&got.means[i][j], &quiet_nan, sizeof(O)) == 0 &&
+             std::memcmp(&got.squares[i][j], &quiet_nan, sizeof(O)) == 0;
       else
         ok = m == p.value && q == inf_value;
       if (!ok && wrong++ == 0) UNSCOPED_INFO("first wrong element " << j << ": mean " << m << ", square " << q);

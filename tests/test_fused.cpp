@@ -322,7 +322,7 @@ TEST_CASE("a non-finite input on a tower of weight 0 is still detected") {
   opts.on_nonfinite = gradavg::nonfinite_policy::report;
   opts.statistics = true;
   const auto clean = run_into(w, opts);
-  for (double value : {nan_value, inf_value, -inf_value}) {
+  for (double value : {nan_value, -nan_value, inf_value, -inf_value}) {  // -NaN: the sign is not kept either
     const poison p{4, 0, 17, value};
     require_poison_handled(clean, run_poisoned(w, p, opts), p, gradavg::nonfinite_policy::report, {false, false}, true);
   }
