@@ -202,7 +202,7 @@ TEST_CASE("accumulation in double: within half an ulp plus T 2^-53 of the exact 
   //   |result - exact| <= 0.5 ulp(result) + T 2^-53 mag.
   // The mean of squares (x^2 exact in double, the reference in long double) likewise, with one
   // more rounding: |result - ref| <= 0.5 ulp(result) + (T + 2) 2^-53 sqmag.
-  // In float (accumulation::native) errors reach about T/2 ulp: T >= 17 fails this bound.
+  // Summed in float (accumulation::native), the means miss this bound from T = 3 on.
   for (std::size_t towers : {1, 2, 3, 17, 100, 1024}) {
     INFO("T = " << towers);
     const std::size_t n = 67;
