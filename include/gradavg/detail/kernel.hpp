@@ -201,7 +201,8 @@ struct group_pass {
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
-      const P w = Fused ? ops::broadcast(weights[0]) : P{};
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[0]);
       for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(towers[0] + j + u * W);
         if constexpr (Fused) {
@@ -217,7 +218,8 @@ struct group_pass {
     }
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
-      const P w = Fused ? ops::broadcast(weights[k]) : P{};
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[k]);
       for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(g + u * W);
         if constexpr (Fused) {
