@@ -24,6 +24,14 @@
 
 #include "isa.hpp"
 
+/// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
+/// registers out of memory).
+#if defined(__GNUC__) || defined(__clang__)
+#define GRADAVG_INLINE_ [[gnu::always_inline]] inline
+#else
+#define GRADAVG_INLINE_ inline
+#endif
+
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
@@ -194,7 +202,7 @@ struct widen_ops {
   static constexpr std::size_t parts = F::width / D::width;
   static_assert(parts >= 1 && parts * D::width == F::width);
 
-  static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
+  GRADAVG_INLINE_ static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (parts == 2 && F::width == 16) {
       out[0] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0)));
