@@ -32,6 +32,16 @@
 #define GRADAVG_INLINE_ inline
 #endif
 
+/// Unrolls the loop that follows over a step's few packets, so that per-packet registers
+/// indexed by the loop stay registers.
+#if defined(__clang__)
+#define GRADAVG_UNROLL_ _Pragma("unroll")
+#elif defined(__GNUC__)
+#define GRADAVG_UNROLL_ _Pragma("GCC unroll 8")
+#else
+#define GRADAVG_UNROLL_
+#endif
+
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
