@@ -67,6 +67,15 @@ struct packet_ops {
   /// v with every NaN lane replaced by the default quiet NaN: which NaN operand an addition
   /// propagates depends on instruction operand order, which compilers may swap.
   static type canonical_nan(const type& v) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    // One compare into a mask register and one masked move (Eigen's pselect goes through a vector mask).
+    if constexpr (bytes == 64) {
+      if constexpr (std::is_same_v<T, float>)
+        return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
+      else
+        return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
+    }
+#endif
     return Eigen::internal::pselect(Eigen::internal::pcmp_eq(v, v), v,
                                     broadcast(std::numeric_limits<T>::quiet_NaN()));
   }
