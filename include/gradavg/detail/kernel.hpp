@@ -64,13 +64,14 @@ template <class S, class O>
 inline constexpr bool supported_output =
     std::is_same_v<O, S> || (std::is_same_v<O, float> && std::is_same_v<accumulator_t<S>, float>);
 
-/// Packets per step: one 64-byte cache line of each tower (at least one packet, at most four).
-template <class Acc>
-inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / packet_ops<Acc>::bytes, 1, 4);
+/// Packets per step: one 64-byte cache line of each tower's storage (at least one packet of the
+/// accumulator, at most four): two float packets per line of 16-bit values on AVX-512.
+template <class S, class Acc>
+inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / (packet_ops<Acc>::width * sizeof(S)), 1, 4);
 
 /// Elements per step.
-template <class Acc>
-inline constexpr std::size_t step_elements = step_packets<Acc> * packet_ops<Acc>::width;
+template <class S, class Acc>
+inline constexpr std::size_t step_elements = step_packets<S, Acc> * packet_ops<Acc>::width;
 
 /// Towers summed in registers before going through the accumulator block.
 inline constexpr std::size_t group_towers = 16;
@@ -92,6 +93,8 @@ struct fused_params {
   const double* weights = nullptr;  // one per tower, rounded to Acc as used; null: every weight is 1
   Acc scale = 1;
   Acc scale_squared = 1;
+  bool detect = false;      // the non-finite probe
+  bool statistics = false;  // the sums of mean^2 and of the means of squares (squares computed)
 };
 
 /// What the fused pass found in one piece of one variable. Trivial (value-initialise it: {}),
@@ -114,7 +117,7 @@ template <class Acc>
 struct fused_state {
   using ops = packet_ops<Acc>;
   using D = packet_ops<double>;
-  static constexpr std::size_t U = step_packets<Acc>;
+  static constexpr std::size_t U = 4;  // the most packets a step has (step_packets)
   static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
 
   typename ops::type probe[U];
@@ -127,7 +130,7 @@ struct fused_state {
     for (auto& p : mean_of_squares) p = D::broadcast(0);
   }
 
-  void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
+  GRADAVG_INLINE_ void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
     if constexpr (std::is_same_v<Acc, double>) {
       mean_squared[u] = D::mul_add(m, m, mean_squared[u]);
       mean_of_squares[u] = D::add(q, mean_of_squares[u]);
@@ -135,6 +138,7 @@ struct fused_state {
       typename D::type wide_m[parts], wide_q[parts];
       widen_ops::widen(m, wide_m);
       widen_ops::widen(q, wide_q);
+      GRADAVG_UNROLL_
       for (std::size_t p = 0; p < parts; ++p) {
         mean_squared[u * parts + p] = D::mul_add(wide_m[p], wide_m[p], mean_squared[u * parts + p]);
         mean_of_squares[u * parts + p] = D::add(wide_q[p], mean_of_squares[u * parts + p]);
@@ -165,7 +169,7 @@ struct fused_state {
 
 /// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
 /// ToOut = the group is the last, so results are divided by the weight sum and stored to the
-/// outputs. Fused: weights, scale, the non-finite probe and statistics (squares always summed).
+/// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
 /// S: the gradients' element type; O: the outputs'.
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
 struct group_pass {
@@ -174,9 +178,9 @@ struct group_pass {
   using out = storage_ops<O, Acc>;
   using P = typename ops::type;
   static constexpr std::size_t W = ops::width;
-  static constexpr std::size_t U = step_packets<Acc>;
-  static constexpr std::size_t E = step_elements<Acc>;
-  static constexpr bool Squares = WithSquare || Fused;
+  static constexpr std::size_t U = step_packets<S, Acc>;
+  static constexpr std::size_t E = step_elements<S, Acc>;
+  static constexpr bool Squares = WithSquare;  // fused: a squares output, or statistics
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
@@ -187,27 +191,37 @@ struct group_pass {
   Acc divisor;
   const Acc* weights;  // fused: this group's count weights
   const fused_params<Acc>* fused;
-  fused_state<Acc>* state;
+  fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
+
+  struct no_state {};
+  using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
   /// outputs non-temporally.
   template <bool StreamOut>
-  void step(std::size_t j) const noexcept {
+  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st) const noexcept {
     P a[U], s[U];
     std::size_t k = 0;
+    const bool detect = Fused && fused->detect;
+    P probe[U];  // st.probe in registers for the step
+    if constexpr (Fused)
+      for (std::size_t u = 0; u < U; ++u) probe[u] = st.probe[u];
     if constexpr (FromAcc) {
-      for (std::size_t u = 0; u < U; ++u) {
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         a[u] = ops::load(acc + j + u * W);
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
-      const P w = Fused ? ops::broadcast(weights[0]) : P{};
-      for (std::size_t u = 0; u < U; ++u) {
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[0]);
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(towers[0] + j + u * W);
         if constexpr (Fused) {
-          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           a[u] = ops::mul(x, w);
-          s[u] = ops::mul(a[u], x);
+          if constexpr (Squares) s[u] = ops::mul(a[u], x);
         } else {
           a[u] = x;
           if constexpr (WithSquare) s[u] = ops::mul(x, x);
@@ -217,20 +231,25 @@ struct group_pass {
     }
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
-      const P w = Fused ? ops::broadcast(weights[k]) : P{};
-      for (std::size_t u = 0; u < U; ++u) {
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[k]);
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(g + u * W);
         if constexpr (Fused) {
-          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           const P wx = ops::mul(x, w);
           a[u] = ops::add(a[u], wx);
-          s[u] = ops::mul_add(wx, x, s[u]);
+          if constexpr (Squares) s[u] = ops::mul_add(wx, x, s[u]);
         } else {
           a[u] = ops::add(a[u], x);
           if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
         }
       }
     }
+    if constexpr (Fused)
+      for (std::size_t u = 0; u < U; ++u) st.probe[u] = probe[u];
+    GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; ++u) {
       if constexpr (ToOut) {
         const P d = ops::broadcast(divisor);
@@ -238,11 +257,12 @@ struct group_pass {
         P q = Squares ? ops::div(s[u], d) : P{};
         if constexpr (Fused) {
           m = ops::mul(m, ops::broadcast(fused->scale));
-          q = ops::mul(q, ops::broadcast(fused->scale_squared));
+          if constexpr (Squares) q = ops::mul(q, ops::broadcast(fused->scale_squared));
         }
         m = ops::canonical_nan(m);
         if constexpr (Squares) q = ops::canonical_nan(q);
-        if constexpr (Fused) state->add_statistics(u, m, q);
+        if constexpr (Fused && Squares)
+          if (fused->statistics) st.add_statistics(u, m, q);
         if constexpr (StreamOut) out::stream(mean + j + u * W, m); else out::store(mean + j + u * W, m);
         if constexpr (Squares) {
           if (!Fused || square != nullptr) {
@@ -258,7 +278,7 @@ struct group_pass {
 
   /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
   /// whole steps are, and the n results copied back.
-  void partial_step(std::size_t j, std::size_t n) const noexcept {
+  void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
     alignas(64) S in_buf[group_towers][E] = {};
     const S* in_ptrs[group_towers];
     for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
@@ -270,7 +290,7 @@ struct group_pass {
     }
     alignas(64) O m_buf[E], q_buf[E];
     const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, weights, fused, state};
-    padded.template step<false>(0);
+    padded.template step<false>(0, st);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
       if constexpr (Squares)
@@ -284,23 +304,26 @@ struct group_pass {
   /// Elements [0, len): when streaming, a partial step up to the outputs' packet alignment;
   /// whole steps; then a partial step for the tail.
   void run(std::size_t len) const noexcept {
+    registers st;  // a local the compiler can keep in registers, unlike *state
+    if constexpr (Fused) st = *state;
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
       if (misaligned % sizeof(Acc) == 0 && misaligned != 0) {
         j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
-        partial_step(0, j);
+        partial_step(0, j, st);
       }
     }
-    for (; j + E <= len; j += E) step<ToOut && Stream>(j);
-    if (j < len) partial_step(j, len - j);
+    for (; j + E <= len; j += E) step<ToOut && Stream>(j, st);
+    if (j < len) partial_step(j, len - j, st);
+    if constexpr (Fused) *state = st;
   }
 };
 
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
 piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                                O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
-  constexpr bool Squares = WithSquare || Fused;
+  constexpr bool Squares = WithSquare;
   const S* group[group_towers];
   Acc weights[group_towers];
   struct no_state {};
@@ -367,6 +390,11 @@ piece_result reduce_range(const TowerData& tower_data, std::size_t tower_count, 
   if (begin >= end) return {};
   if constexpr (!std::is_same_v<O, Acc>) streaming = false;
   if (fused != nullptr) {
+    if (square != nullptr || fused->statistics) {
+      if (streaming)
+        return reduce_range_impl<S, Acc, O, true, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+      return reduce_range_impl<S, Acc, O, true, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+    }
     if (streaming)
       return reduce_range_impl<S, Acc, O, true, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
     return reduce_range_impl<S, Acc, O, true, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
