@@ -534,6 +534,29 @@ TEST_CASE("in place (means into tower 0's gradients) with every fused option: th
   }
 }
 
+TEST_CASE("outputs and statistics do not depend on the outputs' alignment, with streaming stores or not") {
+  for (std::size_t towers : {1, 3, 17}) {
+    const fused_towers<float> w(towers, {1000}, {}, 59);
+    gradavg::options opts;
+    opts.scale = 0.3;
+    opts.statistics = true;
+    const auto first = run_into(w, opts);
+    for (bool streaming : {false, true})
+      for (std::size_t offset = 0; offset < 16; ++offset) {
+        INFO("T = " << towers << ", streaming " << streaming << ", outputs " << offset << " floats past 64 bytes");
+        gradavg_test::buffer<float> mean(1000, offset, -1.0f), square(1000, offset, -1.0f);
+        std::vector<std::span<float>> means{std::span(mean.data(), 1000)}, squares{std::span(square.data(), 1000)};
+        opts.streaming_stores = streaming;
+        const auto s = gradavg::average_gradients_into(w.tg, means, squares, opts);
+        CHECK(std::memcmp(mean.data(), first.means[0].data(), 1000 * sizeof(float)) == 0);
+        CHECK(std::memcmp(square.data(), first.squares[0].data(), 1000 * sizeof(float)) == 0);
+        CHECK(same_double_bits(s.sum_mean_squared, first.summary.sum_mean_squared));
+        CHECK(same_double_bits(s.sum_mean_of_squares, first.summary.sum_mean_of_squares));
+        CHECK(mean.surroundings_intact());
+      }
+  }
+}
+
 TEST_CASE("flat outputs for matrix gradients are accepted; a transposed shape is not") {
   Eigen::MatrixXf a0 = Eigen::MatrixXf::Random(3, 4), a1 = Eigen::MatrixXf::Random(3, 4);
   using row_major = Eigen::Matrix<float, 3, 4, Eigen::RowMajor>;
