@@ -27,15 +27,14 @@ constexpr double inf_value = std::numeric_limits<double>::infinity();
 /// What per_variable entries hold before a call: a variable the call must not write keeps it.
 inline const gradavg::variable_statistics untouched_entry{true, -7.0, -9.0};
 
-inline bool is_untouched(const gradavg::variable_statistics& v) {
-  return v.nonfinite == untouched_entry.nonfinite &&
-         std::bit_cast<std::uint64_t>(v.sum_mean_squared) == std::bit_cast<std::uint64_t>(untouched_entry.sum_mean_squared) &&
-         std::bit_cast<std::uint64_t>(v.sum_mean_of_squares) ==
-             std::bit_cast<std::uint64_t>(untouched_entry.sum_mean_of_squares);
-}
-
 inline bool same_double_bits(double a, double b) {
   return std::bit_cast<std::uint64_t>(a) == std::bit_cast<std::uint64_t>(b);
+}
+
+inline bool is_untouched(const gradavg::variable_statistics& v) {
+  return v.nonfinite == untouched_entry.nonfinite &&
+         same_double_bits(v.sum_mean_squared, untouched_entry.sum_mean_squared) &&
+         same_double_bits(v.sum_mean_of_squares, untouched_entry.sum_mean_of_squares);
 }
 
 /// The outputs and reports of one average_gradients_into call.

@@ -2,7 +2,9 @@
 // double, non-finite detection and its policies, the statistics (global norm, clipping, noise
 // estimate), per-variable results, partial element ranges, flat outputs, the option errors, both
 // APIs, and bitwise equality of every output and statistic across thread counts and executors.
-// Every expected value comes from fused_reference.hpp (long double, from the inputs).
+// Expected values come from fused_reference.hpp (long double, from the inputs) or, for the bound
+// of accumulation in double, from an exact integer sum; other runs are compared bit for bit with
+// runs checked that way.
 #include <gradavg/eigen.hpp>
 #include <gradavg/gradavg.hpp>
 
