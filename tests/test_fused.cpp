@@ -660,6 +660,29 @@ TEST_CASE("bad weights: wrong count, NaN, infinite, negative, zero or infinite s
   CHECK_NOTHROW(run_into(w, {.weights = negative_zero}));
 }
 
+TEST_CASE("weights and scale must be representable in the accumulator type") {
+  // Summed in float: a weight or scale beyond FLT_MAX, or a weight sum below FLT_MIN (a divisor that
+  // would round to 0 or a subnormal), is an error; summed in double the same options are valid.
+  const std::vector<double> large{1e39, 1, 1}, tiny{1e-50, 0, 0};
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = large}), "tower 0"));
+  both_throw<gradavg::weight_error>({.weights = tiny});
+  both_throw<gradavg::option_error>({.scale = 1e39});
+  both_throw<gradavg::option_error>({.scale = -1e39});
+  const fused_towers<float> w(3, {5, 40});
+  for (const auto& weights : {large, tiny}) {
+    INFO("weights " << weights[0] << ", " << weights[1] << ", " << weights[2] << ", accumulated in double");
+    gradavg::options opts;
+    opts.accumulate = gradavg::accumulation::double_precision;
+    opts.weights = weights;
+    const auto r = run_into(w, opts);
+    require_outputs_match(r.means, w.expect(weights, 1.0), false, fused_tolerance<double>(3));
+    require_outputs_match(r.squares, w.expect(weights, 1.0), true, fused_tolerance<double>(3));
+  }
+  const fused_towers<double> d(3, {5, 40});
+  const auto r = run_into(d, {.scale = 1e39});
+  require_outputs_match(r.means, d.expect({}, 1e39), false, fused_tolerance<double>(3));
+}
+
 TEST_CASE("bad scale, bad sample count, begin > end, per_variable of the wrong size") {
   for (double scale : {nan_value, inf_value, -inf_value}) {
     INFO("scale " << scale);

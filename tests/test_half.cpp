@@ -287,6 +287,18 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
   CHECK(as_double(big.means[0][0]) == std::numeric_limits<double>::infinity());
 }
 
+TEST_CASE("16-bit gradients are summed in float: a scale or weight beyond float's range is an error") {
+  const fused_towers<bf16> w(2, {9});
+  auto r = run_into<bf16>(w, {});
+  const auto before = r.means;
+  const std::vector<double> large{1, 1e39};
+  CHECK_THROWS_AS(gradavg::average_gradients_into(w.tg, r.means, {.scale = 1e39}), gradavg::option_error);
+  const auto msg = message_of<gradavg::weight_error>([&] { gradavg::average_gradients_into(w.tg, r.means, {.weights = large}); });
+  CHECK(contains(msg, "tower 1"));
+  CHECK(same_bits_all(r.means, before));
+  CHECK_THROWS_AS(gradavg::average_gradients(w.tg, {.scale = 1e39}), gradavg::option_error);
+}
+
 TEST_CASE("16-bit non-finite inputs: NaN and +-Inf at packet boundaries, in a tower past 16, beside a skipped variable") {
   const std::vector<std::size_t> sizes{70, 9, 3, 70};
   const std::vector<bool> absent{false, false, true, false};
