@@ -308,8 +308,10 @@ struct group_pass {
     if constexpr (Fused) st = *state;
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
+      // Not with statistics: their lanes follow the steps, which must not move with the outputs'
+      // address (a misaligned packet is then stored normally, see packet_ops::stream).
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
-      if (misaligned % sizeof(Acc) == 0 && misaligned != 0) {
+      if (misaligned % sizeof(Acc) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
         j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
         partial_step(0, j, st);
       }
