@@ -559,7 +559,7 @@ TEST_CASE("outputs and statistics do not depend on the outputs' alignment, with 
   }
 }
 
-TEST_CASE("flat outputs for matrix gradients are accepted; a transposed shape is not") {
+TEST_CASE("flat outputs for matrix gradients are accepted, a transposed shape is not") {
   Eigen::MatrixXf a0 = Eigen::MatrixXf::Random(3, 4), a1 = Eigen::MatrixXf::Random(3, 4);
   using row_major = Eigen::Matrix<float, 3, 4, Eigen::RowMajor>;
   const row_major b0 = row_major::Random(), b1 = row_major::Random();
@@ -642,7 +642,7 @@ std::string both_throw(gradavg::options opts, bool allocating_too = true) {
 
 }  // namespace
 
-TEST_CASE("bad weights: wrong count, NaN, infinite, negative, zero or infinite sum; the tower named") {
+TEST_CASE("bad weights (wrong count, NaN, infinite, negative, zero or infinite sum) name the tower") {
   STATIC_REQUIRE(std::is_base_of_v<gradavg::option_error, gradavg::weight_error>);
   STATIC_REQUIRE(std::is_base_of_v<gradavg::error, gradavg::option_error>);
   const std::vector<double> two{1, 1}, four{1, 1, 1, 1};

@@ -247,7 +247,7 @@ TEST_CASE("the allocating API with 16-bit gradients returns 16-bit results") {
         Approx(want[0].sum_mean_squared + want[1].sum_mean_squared + want[2].sum_mean_squared).epsilon(1e-5));
 }
 
-TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows float; a bfloat16 sum may, unflagged") {
+TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows float, a bfloat16 sum may (unflagged)") {
   // 33 towers of the largest half: the float sum (2.2e6) is far from overflow; the mean is 65504
   // again, the mean of squares 4.3e9 (finite in float, +Inf in half: a result, not an input).
   fused_towers<half> h(33, {70});
