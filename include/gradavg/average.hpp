@@ -13,7 +13,9 @@
 // exception, the caller's outputs are unchanged.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <ranges>
 #include <type_traits>
 #include <utility>
@@ -66,50 +68,201 @@ namespace detail {
 
 struct deduce_tensor {};
 
-/// Runs the kernel over every variable: size_of(i) elements (0 for a skipped variable),
-/// tower_data(i, k) tower k's first element, mean_ptr(i) / square_ptr(i) the outputs (square_ptr
-/// returns null for every i when with_squares is false).
-/// All variables' elements form one flat range, split into contiguous chunks (one per thread):
-/// each chunk walks the variables it covers, so small variables share a fork/join.
-template <class S, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
-void average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
-                 const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr, bool with_squares,
-                 const options& opts) {
+/// The flat element range of a call is cut into at most max_segments segments of a size that
+/// depends only on the range's length (a power-of-two multiple of the split granularity), and
+/// threads take whole segments. Everything the fused pass sums is summed per segment and then
+/// segment by segment in order, so statistics never depend on the thread count.
+inline constexpr std::size_t max_segments = 256;
+
+/// What one segment's fused pass found: the piece of the variable that began before it (head),
+/// the variables that begin and end in it (inner, summed in order), the piece of the variable that
+/// begins in it and continues (tail). Trivial, so that an array of them costs nothing to declare.
+struct segment_record {
+  static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
+  std::size_t head_variable;
+  bool head_ends;
+  piece_result head;
+  std::size_t tail_variable;
+  piece_result tail;
+  piece_result inner;
+  std::size_t inner_nonfinite;
+};
+static_assert(std::is_trivially_default_constructible_v<segment_record>);
+
+/// Whether options ask for anything beyond the plain mean (and squares).
+inline bool fused_requested(const options& opts) noexcept {
+  return !opts.weights.empty() || opts.scale != 1.0 || opts.on_nonfinite != nonfinite_policy::ignore ||
+         opts.statistics || !opts.per_variable.empty();
+}
+
+/// What the pass over all variables reports (summary's counts except skipped).
+struct pass_result {
+  bool whole_range = true;
+  std::size_t written = 0;  // partial range: variables with at least one element in it
+  std::size_t nonfinite = 0;
+  double sum_mean_squared = 0;
+  double sum_mean_of_squares = 0;
+};
+
+/// Runs the kernel over every variable, summing in Acc and writing O: size_of(i) elements (0 for
+/// a skipped variable), tower_data(i, k) tower k's first element, mean_ptr(i) / square_ptr(i) the
+/// outputs (square_ptr returns null for every i when with_squares is false).
+/// The elements of options.range form one flat range, split into contiguous chunks of whole
+/// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
+/// share a fork/join.
+template <class S, class Acc, class O, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
+pass_result average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
+                        const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
+                        bool with_squares, const options& opts) {
   std::size_t total = 0;
   for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
-  // Every element of the flat range reads one value per tower and writes a mean (and a square).
-  const std::size_t bytes_per_element = (tower_count + (with_squares ? 2 : 1)) * sizeof(S);
-  const std::size_t chunks = chunk_count(total, bytes_per_element, opts);
-  constexpr std::size_t granularity = split_granularity<S>();
+  const std::size_t range_begin = std::min(opts.range.begin, total);
+  const std::size_t range_end = std::min(opts.range.end, total);
+  const std::size_t n = range_end - range_begin;
 
-  // Elements [first, last) of the flat range.
-  auto run = [&](std::size_t first, std::size_t last) {
-    std::size_t offset = 0;  // flat index of variable i's first element
-    for (std::size_t i = 0; i < variable_count && offset < last; ++i) {
-      const std::size_t n = size_of(i);
-      if (n == 0) continue;
-      if (offset + n > first) {
-        const std::size_t begin = first > offset ? first - offset : 0;
-        const std::size_t end = std::min(n, last - offset);
-        reduce_range<S>([&tower_data, i](std::size_t k) -> const S* { return tower_data(i, k); }, tower_count, begin,
-                        end, mean_ptr(i), square_ptr(i), opts.streaming_stores);
+  pass_result result;
+  result.whole_range = range_begin == 0 && range_end == total;
+  if (!result.whole_range) {
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < variable_count; ++i) {
+      const std::size_t size = size_of(i);
+      result.written += size != 0 && offset < range_end && offset + size > range_begin ? 1 : 0;
+      offset += size;
+    }
+  }
+  if (n == 0) return result;
+
+  const bool fused = fused_requested(opts);
+  const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
+  double weight_sum = static_cast<double>(tower_count);
+  if (!opts.weights.empty()) {
+    weight_sum = 0;
+    for (double w : opts.weights) weight_sum += w;
+  }
+  const Acc divisor = static_cast<Acc>(weight_sum);
+  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), static_cast<Acc>(opts.scale),
+                                 static_cast<Acc>(opts.scale * opts.scale)};
+  const fused_params<Acc>* fused_ptr = fused ? &params : nullptr;
+
+  std::size_t segment = split_granularity<Acc>();
+  while ((n + segment - 1) / segment > max_segments) segment *= 2;
+  const std::size_t segments = (n + segment - 1) / segment;
+  // Every element of the flat range reads one value per tower and writes a mean (and a square).
+  const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
+  const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
+  segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
+
+  auto zero_outputs = [&](std::size_t i, std::size_t begin, std::size_t end) {
+    std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
+    if (O* q = square_ptr(i)) std::fill(q + begin, q + end, O(0));
+  };
+  // A variable's combined result: zeroed when policy says, reported per variable.
+  auto finish_variable = [&](std::size_t i, piece_result& r) {
+    if (zero_nonfinite && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
+    if (!opts.per_variable.empty()) {
+      variable_statistics& out = opts.per_variable[i];
+      if (opts.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+      if (opts.statistics) {
+        out.sum_mean_squared = r.sum_mean_squared;
+        out.sum_mean_of_squares = r.sum_mean_of_squares;
       }
-      offset += n;
     }
   };
-  auto chunk = [&](std::size_t c) {
-    auto bound = [&](std::size_t b) { return b == chunks ? total : total / chunks * b / granularity * granularity; };
-    run(bound(c), bound(c + 1));
+
+  // Segments [first_segment, last_segment).
+  auto run = [&](std::size_t first_segment, std::size_t last_segment) {
+    const std::size_t first = range_begin + first_segment * segment;
+    std::size_t i = 0, offset = 0;  // variable i begins at flat index offset
+    while (i < variable_count && offset + size_of(i) <= first) offset += size_of(i++);
+    for (std::size_t s = first_segment; s < last_segment; ++s) {
+      const std::size_t seg_begin = range_begin + s * segment;
+      const std::size_t seg_end = std::min(range_end, seg_begin + segment);
+      segment_record& record = records[s];
+      if (fused) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
+      while (i < variable_count && offset < seg_end) {
+        const std::size_t size = size_of(i);
+        if (size == 0) {
+          ++i;
+          continue;
+        }
+        const std::size_t begin = std::max(offset, seg_begin) - offset;
+        const std::size_t end = std::min(offset + size, seg_end) - offset;
+        piece_result piece = reduce_range<S, Acc>([&tower_data, i](std::size_t k) -> const S* { return tower_data(i, k); },
+                                                  tower_count, begin, end, mean_ptr(i), square_ptr(i),
+                                                  opts.streaming_stores, divisor, fused_ptr);
+        const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
+        const bool ends_here = offset + size <= seg_end || seg_end == range_end;
+        if (fused) {
+          if (!starts_here) {
+            record.head_variable = i;
+            record.head_ends = ends_here;
+            record.head = piece;
+          } else if (!ends_here) {
+            record.tail_variable = i;
+            record.tail = piece;
+          } else {
+            if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
+            finish_variable(i, piece);
+            record.inner.add(piece);
+            record.inner_nonfinite += piece.nonfinite ? 1 : 0;
+          }
+        }
+        if (offset + size > seg_end) break;  // continues in the next segment
+        offset += size;
+        ++i;
+      }
+    }
   };
+  auto chunk = [&](std::size_t c) { run(segments * c / chunks, segments * (c + 1) / chunks); };
   run_chunks(chunks, chunk, opts);
+  if (!fused) return result;
+
+  // Variables over several segments, combined piece by piece in segment order; the sums over
+  // everything, variable by variable in order.
+  piece_result open{};
+  std::size_t open_variable = segment_record::none;
+  piece_result everything{};
+  for (std::size_t s = 0; s < segments; ++s) {
+    segment_record& record = records[s];
+    if (record.head_variable != segment_record::none) {
+      if (open_variable == record.head_variable) {
+        open.add(record.head);
+      } else {
+        open = record.head;
+        open_variable = record.head_variable;
+      }
+      if (record.head_ends) {
+        if (zero_nonfinite && open.nonfinite) {
+          std::size_t offset = 0;
+          for (std::size_t i = 0; i < open_variable; ++i) offset += size_of(i);
+          const std::size_t begin = std::max(offset, range_begin) - offset;
+          zero_outputs(open_variable, begin, std::min(offset + size_of(open_variable), range_end) - offset);
+        }
+        finish_variable(open_variable, open);
+        everything.add(open);
+        result.nonfinite += open.nonfinite ? 1 : 0;
+        open_variable = segment_record::none;
+      }
+    }
+    everything.add(record.inner);
+    result.nonfinite += record.inner_nonfinite;
+    if (record.tail_variable != segment_record::none) {
+      open = record.tail;
+      open_variable = record.tail_variable;
+    }
+  }
+  result.sum_mean_squared = everything.sum_mean_squared;
+  result.sum_mean_of_squares = everything.sum_mean_of_squares;
+  return result;
 }
 
 /// average_all reading every gradient again through tower_grads.
-template <class TG, class MeanPtr, class SquarePtr>
-void average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
-                         const SquarePtr& square_ptr, bool with_squares, const options& opts) {
+template <class Acc, class TG, class MeanPtr, class SquarePtr>
+pass_result average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
+                                const SquarePtr& square_ptr, bool with_squares, const options& opts) {
   using S = tensor_value_t<gradient_tensor_t<TG>>;
-  average_all<S>(
+  using O = std::remove_pointer_t<decltype(mean_ptr(std::size_t{}))>;
+  return average_all<S, Acc, O>(
       variable_count, std::ranges::size(tg),
       [&tg](std::size_t i) {
         const auto g = read_gradient(tg, 0, i);
@@ -119,52 +272,82 @@ void average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr
       with_squares, opts);
 }
 
+/// Calls f.template operator()<Acc>() with the accumulator type options choose for S.
+template <class S, class F>
+decltype(auto) with_accumulator(const options& opts, F&& f) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (opts.accumulate == accumulation::double_precision) return f.template operator()<double>();
+  }
+  return f.template operator()<accumulator_t<S>>();
+}
+
+/// The summary of a call from validation's counts and the pass's result.
+inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size_t towers, const pass_result& pass,
+                            const options& opts) {
+  summary r;
+  r.averaged = pass.whole_range ? averaged : pass.written;
+  r.skipped = skipped;
+  r.nonfinite_variables = pass.nonfinite;
+  r.sum_mean_squared = pass.sum_mean_squared;
+  r.sum_mean_of_squares = pass.sum_mean_of_squares;
+  r.towers = towers;
+  r.total_samples = opts.samples_per_tower * static_cast<double>(towers);
+  return r;
+}
+
 template <class TG, class Means, class Squares>
 summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
   using S = tensor_value_t<gradient_tensor_t<TG>>;
+  using O = tensor_value_t<output_tensor_t<Means&>>;
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
-  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float or double");
+  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
   static_assert(outputs_outlive_reads<Means&>,
                 "gradavg: means yields outputs by value that own their elements; yield references or views");
-  static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Means&>>, accumulator_t<S>>,
-                "gradavg: the means outputs must hold the gradients' element type");
+  static_assert(supported_output<S, O>,
+                "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
   if constexpr (with_squares) {
     static_assert(outputs_outlive_reads<Squares&>,
                   "gradavg: squares yields outputs by value that own their elements; yield references or views");
-    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, accumulator_t<S>>,
-                  "gradavg: the squares outputs must hold the gradients' element type");
+    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, O>,
+                  "gradavg: the squares outputs must hold the same element type as the means outputs");
   }
 
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
   const validated v = validate_into(tg, means, squares, opts, scratch);
   const std::size_t towers = std::ranges::size(tg);
+  validate_options(opts, towers, v.variables);
 
+  pass_result pass;
   if (v.layout != nullptr) {
     // Pointers as read by the checks: variable i's ranges start at layout[i * stride].
     const std::size_t stride = towers + (with_squares ? 2 : 1);
     const byte_range* layout = v.layout;
-    auto out = [](const std::byte* p) { return const_cast<S*>(reinterpret_cast<const S*>(p)); };
-    average_all<S>(
-        v.variables, towers,
-        [=](std::size_t i) {
-          const byte_range& g = layout[i * stride];
-          return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
-        },
-        [=](std::size_t i, std::size_t k) { return reinterpret_cast<const S*>(layout[i * stride + k].first); },
-        [=](std::size_t i) { return out(layout[i * stride + towers].first); },
-        [=](std::size_t i) { return with_squares ? out(layout[i * stride + towers + 1].first) : nullptr; },
-        with_squares, opts);
+    auto out = [](const std::byte* p) { return const_cast<O*>(reinterpret_cast<const O*>(p)); };
+    pass = with_accumulator<S>(opts, [&]<class Acc>() {
+      return average_all<S, Acc, O>(
+          v.variables, towers,
+          [=](std::size_t i) {
+            const byte_range& g = layout[i * stride];
+            return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+          },
+          [=](std::size_t i, std::size_t k) { return reinterpret_cast<const S*>(layout[i * stride + k].first); },
+          [=](std::size_t i) { return out(layout[i * stride + towers].first); },
+          [=](std::size_t i) { return with_squares ? out(layout[i * stride + towers + 1].first) : nullptr; },
+          with_squares, opts);
+    });
   } else {
     auto mean_ptr = [&means](std::size_t i) { return read_output(means, i).data; };
-    if constexpr (with_squares)
-      average_all_entries(
-          tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output(*squares, i).data; }, true, opts);
-    else
-      average_all_entries(
-          tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<S*>(nullptr); }, false, opts);
+    pass = with_accumulator<S>(opts, [&]<class Acc>() {
+      if constexpr (with_squares)
+        return average_all_entries<Acc>(
+            tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output(*squares, i).data; }, true, opts);
+      else
+        return average_all_entries<Acc>(
+            tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<O*>(nullptr); }, false, opts);
+    });
   }
-  return {v.averaged, v.skipped};
+  return make_summary(v.averaged, v.skipped, towers, pass, opts);
 }
 
 }  // namespace detail
@@ -212,10 +395,14 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
   using R = typename tensor_traits<G>::result_type;
   using V = detail::variable_t<TG>;
   using S = tensor_value_t<G>;
-  static_assert(detail::supported_scalar<S>, "gradavg: gradient elements must be float or double");
+  static_assert(detail::supported_scalar<S>,
+                "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
   const std::size_t variable_count = detail::validate_towers(tower_grads);
+  detail::validate_options(opts, std::ranges::size(tower_grads), variable_count);
+  if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+    throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
   averaged_gradients<R, V> result;
   std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
   for (std::size_t i = 0; i < variable_count; ++i) {
@@ -229,13 +416,17 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
     if (opts.include_square) result.squares.emplace_back(tensor_traits<G>::make(g0.dims), result.gradients.back().second);
   }
 
-  detail::average_all_entries(
-      tower_grads, variable_count,
-      [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
-      [&](std::size_t i) -> S* {
-        return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
-      },
-      opts.include_square, opts);
+  const detail::pass_result pass = detail::with_accumulator<S>(opts, [&]<class Acc>() {
+    return detail::average_all_entries<Acc>(
+        tower_grads, variable_count,
+        [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
+        [&](std::size_t i) -> S* {
+          return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
+        },
+        opts.include_square, opts);
+  });
+  result.report = detail::make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
+                                       pass, opts);
   return result;
 }
 

@@ -7,11 +7,12 @@
 #include <limits>
 #include <span>
 
+#include "statistics.hpp"
+
 namespace gradavg {
 
 class executor;
 class layout_cache;
-struct variable_statistics;
 
 /// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();

@@ -25,8 +25,11 @@
 #define GRADAVG_ISA_WIDTH_ scalar
 #elif defined(EIGEN_VECTORIZE_AVX512)
 #define GRADAVG_ISA_WIDTH_ packet512
-#elif defined(EIGEN_VECTORIZE_AVX)
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
 #define GRADAVG_ISA_WIDTH_ packet256
+#elif defined(EIGEN_VECTORIZE_AVX)
+// AVX without AVX2 or F16C (Sandy Bridge, some builds): the 16-bit conversions take the portable path.
+#define GRADAVG_ISA_WIDTH_ packet256_avx1
 #elif defined(EIGEN_VECTORIZE_SVE) && defined(EIGEN_ARM64_SVE_VL)
 #define GRADAVG_ISA_WIDTH_ GRADAVG_ISA_CAT(packet_sve, EIGEN_ARM64_SVE_VL)
 #else

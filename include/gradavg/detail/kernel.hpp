@@ -1,9 +1,15 @@
 // gradavg internals: the averaging kernel over raw contiguous memory.
 //
-// Contract of reduce_range (one variable, T towers, elements [begin, end)):
+// Contract of reduce_range (one variable, T towers, elements [begin, end)), plain:
 //   mean[j]   = (g_0[j] + g_1[j] + ... + g_{T-1}[j]) / T        summed in tower order
 //   square[j] = (g_0[j]^2 + ... + g_{T-1}[j]^2) / T              when square != nullptr
-// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add). Every
+// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add).
+// Fused (fused_params given): with w_k the tower weights, W their sum and c the scale,
+//   mean[j]   = ((w_0 g_0[j] + ... + w_{T-1} g_{T-1}[j]) / W) * c
+//   square[j] = ((w_0 g_0[j] g_0[j] + ...) / W) * c^2
+// each w_k g_k[j] rounded once; with unit weights and c = 1 bitwise the plain results. The fused
+// pass also reports whether any input was NaN or +-Inf and sums mean^2 and square in double.
+// Results are rounded once from the accumulator type to the output type (storage_ops). Every
 // element, tails included, is computed by the same packet operations (a tail is copied into a
 // zero-padded step), so each element's result depends only on its inputs and T — never on
 // blocking, alignment, how a caller splits [0, n) across threads, or whether the target's
@@ -31,17 +37,32 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// Type in which values stored as S are summed. 16-bit storage will map to float here.
+/// Type in which values stored as S are summed: float for the 16-bit types, never 16 bits.
 template <class S>
 struct accumulator {
   using type = S;
 };
+template <>
+struct accumulator<Eigen::half> {
+  using type = float;
+};
+template <>
+struct accumulator<Eigen::bfloat16> {
+  using type = float;
+};
 template <class S>
 using accumulator_t = typename accumulator<S>::type;
 
-/// Element types the kernel handles today.
+/// Element types the kernel reads.
 template <class S>
-inline constexpr bool supported_scalar = std::is_same_v<S, float> || std::is_same_v<S, double>;
+inline constexpr bool supported_scalar = std::is_same_v<S, float> || std::is_same_v<S, double> ||
+                                         std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
+
+/// Output element types allowed for gradients of type S: S itself, or float for 16-bit gradients
+/// (float master gradients of mixed-precision training).
+template <class S, class O>
+inline constexpr bool supported_output =
+    std::is_same_v<O, S> || (std::is_same_v<O, float> && std::is_same_v<accumulator_t<S>, float>);
 
 /// Packets per step: one 64-byte cache line of each tower (at least one packet, at most four).
 template <class Acc>
@@ -60,29 +81,113 @@ inline constexpr std::size_t block_elements = 4096 / sizeof(Acc);
 
 /// Threads split the flat range of all elements at multiples of this: chunk boundaries stay away
 /// from sharing a cache line within a variable that starts on one. Results never depend on it.
-template <class S>
+template <class Acc>
 constexpr std::size_t split_granularity() noexcept {
-  return block_elements<accumulator_t<S>>;
+  return block_elements<Acc>;
 }
 
-/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
-/// ToOut = the group is the last, so results are divided by T and stored to the outputs.
-template <class S, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
-struct group_pass {
-  using Acc = accumulator_t<S>;
+/// Run-time values of the fused features, in the accumulator type.
+template <class Acc>
+struct fused_params {
+  const double* weights = nullptr;  // one per tower, rounded to Acc as used; null: every weight is 1
+  Acc scale = 1;
+  Acc scale_squared = 1;
+};
+
+/// What the fused pass found in one piece of one variable. Trivial (value-initialise it: {}),
+/// so that arrays of records holding it cost nothing to declare.
+struct piece_result {
+  bool nonfinite;             // an input element was NaN or +-Inf
+  double sum_mean_squared;    // over the piece's elements, in double
+  double sum_mean_of_squares;
+
+  void add(const piece_result& other) noexcept {
+    nonfinite = nonfinite || other.nonfinite;
+    sum_mean_squared += other.sum_mean_squared;
+    sum_mean_of_squares += other.sum_mean_of_squares;
+  }
+};
+
+/// Registers of the fused pass over one piece: the non-finite probe (x * 0 summed: 0 while every
+/// input is finite, NaN from the first that is not) and the statistics, lane by lane in double.
+template <class Acc>
+struct fused_state {
   using ops = packet_ops<Acc>;
+  using D = packet_ops<double>;
+  static constexpr std::size_t U = step_packets<Acc>;
+  static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
+
+  typename ops::type probe[U];
+  typename D::type mean_squared[U * parts];
+  typename D::type mean_of_squares[U * parts];
+
+  fused_state() noexcept {
+    for (auto& p : probe) p = ops::broadcast(0);
+    for (auto& p : mean_squared) p = D::broadcast(0);
+    for (auto& p : mean_of_squares) p = D::broadcast(0);
+  }
+
+  void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
+    if constexpr (std::is_same_v<Acc, double>) {
+      mean_squared[u] = D::mul_add(m, m, mean_squared[u]);
+      mean_of_squares[u] = D::add(q, mean_of_squares[u]);
+    } else {
+      typename D::type wide_m[parts], wide_q[parts];
+      widen_ops::widen(m, wide_m);
+      widen_ops::widen(q, wide_q);
+      for (std::size_t p = 0; p < parts; ++p) {
+        mean_squared[u * parts + p] = D::mul_add(wide_m[p], wide_m[p], mean_squared[u * parts + p]);
+        mean_of_squares[u * parts + p] = D::add(wide_q[p], mean_of_squares[u * parts + p]);
+      }
+    }
+  }
+
+  /// The piece's result: lanes summed in a fixed order.
+  piece_result result() const noexcept {
+    piece_result r{};
+    alignas(64) Acc probe_lanes[ops::width];
+    for (std::size_t u = 0; u < U; ++u) {
+      ops::store(probe_lanes, probe[u]);
+      for (Acc x : probe_lanes) r.nonfinite = r.nonfinite || x != x;
+    }
+    alignas(64) double lanes[D::width];
+    for (const auto& p : mean_squared) {
+      D::store(lanes, p);
+      for (double x : lanes) r.sum_mean_squared += x;
+    }
+    for (const auto& p : mean_of_squares) {
+      D::store(lanes, p);
+      for (double x : lanes) r.sum_mean_of_squares += x;
+    }
+    return r;
+  }
+};
+
+/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
+/// ToOut = the group is the last, so results are divided by the weight sum and stored to the
+/// outputs. Fused: weights, scale, the non-finite probe and statistics (squares always summed).
+/// S: the gradients' element type; O: the outputs'.
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
+struct group_pass {
+  using ops = packet_ops<Acc>;
+  using in = storage_ops<S, Acc>;
+  using out = storage_ops<O, Acc>;
   using P = typename ops::type;
   static constexpr std::size_t W = ops::width;
   static constexpr std::size_t U = step_packets<Acc>;
   static constexpr std::size_t E = step_elements<Acc>;
+  static constexpr bool Squares = WithSquare || Fused;
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
   Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs; any alignment
   Acc* sq;
-  Acc* mean;  // outputs (ToOut), offset like towers
-  Acc* square;
+  O* mean;  // outputs (ToOut), offset like towers
+  O* square;  // null in a fused pass that computes squares only for the statistics
   Acc divisor;
+  const Acc* weights;  // fused: this group's count weights
+  const fused_params<Acc>* fused;
+  fused_state<Acc>* state;
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
   /// outputs non-temporally.
@@ -93,35 +198,60 @@ struct group_pass {
     if constexpr (FromAcc) {
       for (std::size_t u = 0; u < U; ++u) {
         a[u] = ops::load(acc + j + u * W);
-        if constexpr (WithSquare) s[u] = ops::load(sq + j + u * W);
+        if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
+      const P w = Fused ? ops::broadcast(weights[0]) : P{};
       for (std::size_t u = 0; u < U; ++u) {
-        a[u] = ops::load(towers[0] + j + u * W);
-        if constexpr (WithSquare) s[u] = ops::mul(a[u], a[u]);
+        const P x = in::load(towers[0] + j + u * W);
+        if constexpr (Fused) {
+          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          a[u] = ops::mul(x, w);
+          s[u] = ops::mul(a[u], x);
+        } else {
+          a[u] = x;
+          if constexpr (WithSquare) s[u] = ops::mul(x, x);
+        }
       }
       k = 1;
     }
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
+      const P w = Fused ? ops::broadcast(weights[k]) : P{};
       for (std::size_t u = 0; u < U; ++u) {
-        const P x = ops::load(g + u * W);
-        a[u] = ops::add(a[u], x);
-        if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
+        const P x = in::load(g + u * W);
+        if constexpr (Fused) {
+          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          const P wx = ops::mul(x, w);
+          a[u] = ops::add(a[u], wx);
+          s[u] = ops::mul_add(wx, x, s[u]);
+        } else {
+          a[u] = ops::add(a[u], x);
+          if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
+        }
       }
     }
     for (std::size_t u = 0; u < U; ++u) {
       if constexpr (ToOut) {
         const P d = ops::broadcast(divisor);
-        const P m = ops::canonical_nan(ops::div(a[u], d));
-        if constexpr (StreamOut) ops::stream(mean + j + u * W, m); else ops::store(mean + j + u * W, m);
-        if constexpr (WithSquare) {
-          const P q = ops::canonical_nan(ops::div(s[u], d));
-          if constexpr (StreamOut) ops::stream(square + j + u * W, q); else ops::store(square + j + u * W, q);
+        P m = ops::div(a[u], d);
+        P q = Squares ? ops::div(s[u], d) : P{};
+        if constexpr (Fused) {
+          m = ops::mul(m, ops::broadcast(fused->scale));
+          q = ops::mul(q, ops::broadcast(fused->scale_squared));
+        }
+        m = ops::canonical_nan(m);
+        if constexpr (Squares) q = ops::canonical_nan(q);
+        if constexpr (Fused) state->add_statistics(u, m, q);
+        if constexpr (StreamOut) out::stream(mean + j + u * W, m); else out::store(mean + j + u * W, m);
+        if constexpr (Squares) {
+          if (!Fused || square != nullptr) {
+            if constexpr (StreamOut) out::stream(square + j + u * W, q); else out::store(square + j + u * W, q);
+          }
         }
       } else {
         ops::store(acc + j + u * W, a[u]);
-        if constexpr (WithSquare) ops::store(sq + j + u * W, s[u]);
+        if constexpr (Squares) ops::store(sq + j + u * W, s[u]);
       }
     }
   }
@@ -129,24 +259,25 @@ struct group_pass {
   /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
   /// whole steps are, and the n results copied back.
   void partial_step(std::size_t j, std::size_t n) const noexcept {
-    alignas(64) S in[group_towers][E] = {};
+    alignas(64) S in_buf[group_towers][E] = {};
     const S* in_ptrs[group_towers];
-    for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in[k];
-    for (std::size_t k = 0; k < count; ++k) std::memcpy(in[k], towers[k] + j, n * sizeof(S));
+    for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
+    for (std::size_t k = 0; k < count; ++k) std::memcpy(in_buf[k], towers[k] + j, n * sizeof(S));
     alignas(64) Acc a_buf[E] = {}, s_buf[E] = {};
     if constexpr (FromAcc) {
       std::memcpy(a_buf, acc + j, n * sizeof(Acc));
-      if constexpr (WithSquare) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
+      if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
     }
-    alignas(64) Acc m_buf[E], q_buf[E];
-    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor};
+    alignas(64) O m_buf[E], q_buf[E];
+    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, weights, fused, state};
     padded.template step<false>(0);
     if constexpr (ToOut) {
-      std::memcpy(mean + j, m_buf, n * sizeof(Acc));
-      if constexpr (WithSquare) std::memcpy(square + j, q_buf, n * sizeof(Acc));
+      std::memcpy(mean + j, m_buf, n * sizeof(O));
+      if constexpr (Squares)
+        if (square != nullptr) std::memcpy(square + j, q_buf, n * sizeof(O));
     } else {
       std::memcpy(acc + j, a_buf, n * sizeof(Acc));
-      if constexpr (WithSquare) std::memcpy(sq + j, s_buf, n * sizeof(Acc));
+      if constexpr (Squares) std::memcpy(sq + j, s_buf, n * sizeof(Acc));
     }
   }
 
@@ -166,60 +297,84 @@ struct group_pass {
   }
 };
 
-template <class S, bool WithSquare, bool Stream>
-void reduce_range_impl(const auto& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end, S* mean,
-                       S* square) {
-  using Acc = accumulator_t<S>;
-  const Acc divisor = static_cast<Acc>(tower_count);
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
+piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
+  constexpr bool Squares = WithSquare || Fused;
   const S* group[group_towers];
+  Acc weights[group_towers];
+  fused_state<Acc> state;
+  auto set_weights = [&](std::size_t first, std::size_t count) {
+    if constexpr (Fused)
+      for (std::size_t k = 0; k < count; ++k)
+        weights[k] = fused->weights ? static_cast<Acc>(fused->weights[first + k]) : Acc{1};
+  };
 
   if (tower_count <= group_towers) {
     for (std::size_t k = 0; k < tower_count; ++k) group[k] = tower_data(k) + begin;
-    group_pass<S, WithSquare, false, true, Stream>{group,       tower_count, nullptr, nullptr,
-                                                   mean + begin, square ? square + begin : nullptr, divisor}
+    set_weights(0, tower_count);
+    group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
+        group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, weights, fused,
+        &state}
         .run(end - begin);
   } else {
     constexpr std::size_t B = block_elements<Acc>;
     alignas(64) Acc acc[B];
-    alignas(64) Acc sq[WithSquare ? B : 1];
+    alignas(64) Acc sq[Squares ? B : 1];
     for (std::size_t block = begin; block < end; block += B) {
       const std::size_t len = std::min(B, end - block);
       for (std::size_t first = 0; first < tower_count; first += group_towers) {
         const std::size_t count = std::min(group_towers, tower_count - first);
         for (std::size_t k = 0; k < count; ++k) group[k] = tower_data(first + k) + block;
-        Acc* m = mean + block;
-        Acc* q = square ? square + block : nullptr;
+        set_weights(first, count);
+        O* m = mean + block;
+        O* q = square ? square + block : nullptr;
         if (first == 0)
-          group_pass<S, WithSquare, false, false, Stream>{group, count, acc, sq, m, q, divisor}.run(len);
+          group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
+                                                                    &state}
+              .run(len);
         else if (first + count < tower_count)
-          group_pass<S, WithSquare, true, false, Stream>{group, count, acc, sq, m, q, divisor}.run(len);
+          group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
+                                                                   &state}
+              .run(len);
         else
-          group_pass<S, WithSquare, true, true, Stream>{group, count, acc, sq, m, q, divisor}.run(len);
+          group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
+                                                                  &state}
+              .run(len);
       }
     }
   }
   if constexpr (Stream) streaming_fence();
+  if constexpr (Fused)
+    return state.result();
+  else
+    return {};
 }
 
-/// Reduces elements [begin, end) of one variable (see the file comment). tower_data(k) returns
-/// tower k's first element (of the whole variable, not of the range). streaming: write the
-/// outputs with non-temporal stores.
-template <class S, class TowerData>
-void reduce_range(const TowerData& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end, S* mean,
-                  S* square, bool streaming = false) {
-  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float or double");
-  if (begin >= end) return;
+/// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc.
+/// tower_data(k) returns tower k's first element (of the whole variable, not of the range).
+/// divisor: T, or the weight sum. fused: null for the plain pass. streaming: write the outputs
+/// with non-temporal stores (where O is Acc).
+template <class S, class Acc, class O, class TowerData>
+piece_result reduce_range(const TowerData& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+                          O* mean, O* square, bool streaming, Acc divisor, const fused_params<Acc>* fused) {
+  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+  static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
+  if (begin >= end) return {};
+  if constexpr (!std::is_same_v<O, Acc>) streaming = false;
+  if (fused != nullptr) {
+    if (streaming)
+      return reduce_range_impl<S, Acc, O, true, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+    return reduce_range_impl<S, Acc, O, true, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+  }
   if (square != nullptr) {
     if (streaming)
-      reduce_range_impl<S, true, true>(tower_data, tower_count, begin, end, mean, square);
-    else
-      reduce_range_impl<S, true, false>(tower_data, tower_count, begin, end, mean, square);
-  } else {
-    if (streaming)
-      reduce_range_impl<S, false, true>(tower_data, tower_count, begin, end, mean, square);
-    else
-      reduce_range_impl<S, false, false>(tower_data, tower_count, begin, end, mean, square);
+      return reduce_range_impl<S, Acc, O, false, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+    return reduce_range_impl<S, Acc, O, false, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
   }
+  if (streaming)
+    return reduce_range_impl<S, Acc, O, false, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+  return reduce_range_impl<S, Acc, O, false, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
 }
 
 }  // namespace detail

@@ -1,8 +1,14 @@
 // gradavg internals: the SIMD operations the kernel uses, and the only place gradavg touches
 // Eigen's internal packet API (Eigen::internal::packet_traits, unpacket_traits, ploadu, pstoreu,
 // pset1, padd, pmul, pmadd, pdiv, pcmp_eq, pselect) or compiler intrinsics (non-temporal
-// stores, sfence). A change in Eigen's internals is a fix in this file alone. Checked with
-// Eigen 3.4 and 5.0.
+// stores, sfence, conversions between float, double and the 16-bit types). A change in Eigen's
+// internals is a fix in this file alone. Checked with Eigen 3.4 and 5.0.
+//
+// Conversions are exact (widening) or round to nearest even (narrowing, in the caller's
+// floating-point rounding mode for float <-> double, always to nearest even for 16-bit), on every
+// path: the intrinsics where the ISA level guarantees them (isa.hpp), else Eigen's scalar
+// conversions, which round alike. A NaN narrows to the target's default quiet NaN when it is the
+// default quiet NaN of the source (the kernel's results are).
 #pragma once
 
 #include <Eigen/Core>
@@ -71,6 +77,148 @@ struct packet_ops {
 #endif
     }
     store(p, v);
+  }
+};
+
+/// Elements stored as S, loaded into and stored from packets of the accumulator Acc:
+/// load(p) reads packet_ops<Acc>::width elements and converts each exactly; store(p, v) rounds
+/// each to S (to nearest even). S == Acc: plain loads and stores.
+template <class S, class Acc>
+struct storage_ops {
+  using ops = packet_ops<Acc>;
+  using P = typename ops::type;
+  static constexpr std::size_t width = ops::width;
+
+  static P load(const S* p) noexcept {
+    if constexpr (std::is_same_v<S, Acc>) {
+      return ops::load(p);
+    } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
+        return _mm512_maskz_cvtps_pd(0xff, _mm256_loadu_ps(p));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
+        return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
+        return _mm256_cvtps_pd(_mm_loadu_ps(p));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 8)
+        return _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
+        return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4)
+        return _mm_castsi128_ps(
+            _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+      alignas(64) Acc wide[width];
+      for (std::size_t i = 0; i < width; ++i) wide[i] = static_cast<Acc>(p[i]);
+      return ops::load(wide);
+    }
+  }
+
+  static void store(S* p, const P& v) noexcept {
+    if constexpr (std::is_same_v<S, Acc>) {
+      ops::store(p, v);
+    } else {
+#if defined(EIGEN_VECTORIZE_AVX512)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
+        return _mm256_storeu_ps(p, _mm512_maskz_cvtpd_ps(0xff, v));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
+        return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                                   _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
+        return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
+        return _mm_storeu_ps(p, _mm256_cvtpd_ps(v));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
+        return _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                                _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 8) {
+        const __m256i bits = bfloat16_bits(v);  // eight 16-bit values in 32-bit lanes
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+        return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+      }
+#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+      if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
+        return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_castps_si128(_mm_cvtpd_ps(v)));
+#endif
+      alignas(64) Acc wide[width];
+      ops::store(wide, v);
+      for (std::size_t i = 0; i < width; ++i) p[i] = static_cast<S>(wide[i]);
+    }
+  }
+
+  /// As store, with a non-temporal store where S == Acc (packet_ops::stream).
+  static void stream(S* p, const P& v) noexcept {
+    if constexpr (std::is_same_v<S, Acc>)
+      ops::stream(p, v);
+    else
+      store(p, v);
+  }
+
+ private:
+// The AVX-512 conversions are the zero-masked forms: GCC 12 warns about the unmasked ones'
+  // undefined pass-through operand (-Wuninitialized).
+#if defined(EIGEN_VECTORIZE_AVX512)
+  /// bfloat16 bit patterns of v's floats, rounded to nearest even, in 32-bit lanes; NaN -> 0x7fc0.
+  static __m512i bfloat16_bits(const __m512& v) noexcept {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+  }
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+  static __m256i bfloat16_bits(const __m256& v) noexcept {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7fc0), is_nan);
+  }
+#endif
+};
+
+/// Packets of float widened to packets of double, for statistics summed in double: parts double
+/// packets per float packet, lane order kept.
+struct widen_ops {
+  using F = packet_ops<float>;
+  using D = packet_ops<double>;
+  static constexpr std::size_t parts = F::width / D::width;
+  static_assert(parts >= 1 && parts * D::width == F::width);
+
+  static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (parts == 2 && F::width == 16) {
+      out[0] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0)));
+      out[1] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)));
+      return;
+    }
+#elif defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (parts == 2 && F::width == 8) {
+      out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+      out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+      return;
+    }
+#elif defined(EIGEN_VECTORIZE_SSE2)
+    if constexpr (parts == 2 && F::width == 4) {
+      out[0] = _mm_cvtps_pd(v);
+      out[1] = _mm_cvtps_pd(_mm_movehl_ps(v, v));
+      return;
+    }
+#endif
+    alignas(64) float narrow[F::width];
+    alignas(64) double wide[F::width];
+    F::store(narrow, v);
+    for (std::size_t i = 0; i < F::width; ++i) wide[i] = static_cast<double>(narrow[i]);
+    for (std::size_t part = 0; part < parts; ++part) out[part] = D::load(wide + part * D::width);
   }
 };
 

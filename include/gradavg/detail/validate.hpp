@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstddef>
 #include <exception>
@@ -346,6 +347,51 @@ GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
   return r;
 }
 
+/// At most one dimension above 1: the elements' order does not depend on the storage order.
+inline bool flat_shape(const shape& s) noexcept {
+  std::size_t non_trivial = 0;
+  for (std::size_t d = 0; d < s.rank; ++d) non_trivial += s.dims[d] > 1 ? 1 : 0;
+  return non_trivial <= 1;
+}
+
+/// An output fits a gradient of the same shape, or of the same element count when either is
+/// flat (a std::span for a matrix, a bucket buffer): equal size and equal element order.
+inline bool output_fits(const shape& output, const shape& gradient) noexcept {
+  return output == gradient || (output.size() == gradient.size() && (flat_shape(output) || flat_shape(gradient)));
+}
+
+/// Checks the options of the fused step against T towers and V variables (option_error,
+/// weight_error), before anything is written.
+inline void validate_options(const options& opts, std::size_t towers, std::size_t variables) {
+  if (!opts.weights.empty()) {
+    if (opts.weights.size() != towers)
+      throw weight_error("gradavg: options.weights holds " + std::to_string(opts.weights.size()) +
+                         " weights but there are " + std::to_string(towers) + " towers; pass one per tower");
+    double sum = 0;
+    for (std::size_t k = 0; k < towers; ++k) {
+      const double w = opts.weights[k];
+      if (!std::isfinite(w) || w < 0)
+        throw weight_error("gradavg: options.weights: the weight of tower " + std::to_string(k) + " is " +
+                           std::to_string(w) + "; weights must be finite and >= 0");
+      sum += w;
+    }
+    if (!(sum > 0) || !std::isfinite(sum))
+      throw weight_error("gradavg: options.weights sum to " + std::to_string(sum) + "; the sum must be positive and finite");
+  }
+  if (!std::isfinite(opts.scale))
+    throw option_error("gradavg: options.scale is " + std::to_string(opts.scale) + "; it must be finite");
+  if (!std::isfinite(opts.samples_per_tower) || opts.samples_per_tower < 0)
+    throw option_error("gradavg: options.samples_per_tower is " + std::to_string(opts.samples_per_tower) +
+                       "; it must be finite and >= 0 (0: unknown)");
+  if (opts.range.begin > opts.range.end)
+    throw option_error("gradavg: options.range begins at " + std::to_string(opts.range.begin) + " after its end " +
+                       std::to_string(opts.range.end));
+  if (!opts.per_variable.empty() && opts.per_variable.size() != variables)
+    throw option_error("gradavg: options.per_variable holds " + std::to_string(opts.per_variable.size()) +
+                       " entries but the towers hold " + std::to_string(variables) +
+                       " variables; pass one per variable or none");
+}
+
 /// Checks one output range (what = "means" or "squares") against validated tower_grads.
 template <class TG, class Outputs>
 void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count, const char* what) {
@@ -359,7 +405,7 @@ void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count
     if (!g0.present) continue;  // skipped
     const auto out = read_output(outputs, i);
     if (!out.present) throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is null", i);
-    if (!(out.dims == g0.dims))
+    if (!output_fits(out.dims, g0.dims))
       throw output_error(describe_variable_at(tg, i) + ": the " + what + " output has shape " + describe_shape(out.dims) +
                              " but the gradient has shape " + describe_shape(g0.dims),
                          i);
@@ -527,6 +573,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   using V = variable_t<TG>;
   using E = entry_t<TG>;
   using S = tensor_value_t<gradient_tensor_t<TG>>;
+  using O = tensor_value_t<output_tensor_t<Means&>>;
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
@@ -571,16 +618,16 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
       auto&& v0 = entry_traits<E>::variable(e0);
       const gradient_read<S> g0 = read_gradient<TG>(e0);
       const byte_range g0_bytes = g0.bytes();
-      const std::size_t bytes = g0.present ? g0.dims.size() * sizeof(S) : 0;
-      output_read<S> m, q;
+      const std::size_t bytes = g0.present ? g0.dims.size() * sizeof(O) : 0;  // of each output
+      output_read<O> m, q;
       byte_range m_bytes{}, q_bytes{};
       if (g0.present) {
         m = read_output(means, i);
-        output_problem = output_problem || !m.present || !(m.dims == g0.dims) || !m.contiguous;
+        output_problem = output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
         if (m.present) m_bytes = {reinterpret_cast<const std::byte*>(m.data), reinterpret_cast<const std::byte*>(m.data) + bytes};
         if constexpr (with_squares) {
           q = read_output(*squares, i);
-          output_problem = output_problem || !q.present || !(q.dims == g0.dims) || !q.contiguous;
+          output_problem = output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
           if (q.present) q_bytes = {reinterpret_cast<const std::byte*>(q.data), reinterpret_cast<const std::byte*>(q.data) + bytes};
         }
       }
