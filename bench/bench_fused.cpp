@@ -39,8 +39,6 @@
 //   onednn_bf16_sum         1 when oneDNN's bf16 sum ran in the point, 0 when oneDNN has none
 // Flags (before Google Benchmark's own): --fused_rounds=N (default 11), --fused_elements=N
 // (default 16777216; a positive multiple of 64).
-// The fused16 points need 16-bit gradients in the kernel; left out until it has them.
-#define GRADAVG_BENCH_FUSED_NO_16BIT
 #include <gradavg/gradavg.hpp>
 
 #include <Eigen/Core>
@@ -447,10 +445,8 @@ int main(int argc, char** argv) {
     for (std::size_t towers : {8, 16})
       register_point(point_name("fused", "float", towers, elements, n), rounds, &fused_float_point, towers, elements,
                      n);
-#ifndef GRADAVG_BENCH_FUSED_NO_16BIT
   register_16bit<bf16>(elements, threads, rounds);
   register_16bit<half>(elements, threads, rounds);
-#endif
 
   benchmark::AddCustomContext("fused_rounds", std::to_string(rounds));
   benchmark::AddCustomContext("fused_elements", std::to_string(elements));
