@@ -37,6 +37,7 @@
 //   mean_f32.of.copy_nt     likewise, for the float outputs
 //   mean.vs.onednn_sum      median t(onednn_sum) / t(best of mean, mean_nt)
 //   onednn_bf16_sum         1 when oneDNN's bf16 sum ran in the point, 0 when oneDNN has none
+//                           (the label names oneDNN's implementation, or "unsupported")
 // Flags (before Google Benchmark's own): --fused_rounds=N (default 11), --fused_elements=N
 // (default 16777216; a positive multiple of 64).
 #include <gradavg/gradavg.hpp>
@@ -371,7 +372,9 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
       error = add_gradavg<S, float>(cmp, "mean_f32", tw, elements, threads, mean_f32, nullptr, {}, t * n * 2 + n * 4);
 #ifdef GRADAVG_BENCH_HAVE_ONEDNN
     if constexpr (std::is_same_v<S, bf16>) {
-      if (error.empty() && !onednn_bf16_sum_implementation(tower_count, elements).empty()) {
+      const std::string impl = onednn_bf16_sum_implementation(tower_count, elements);
+      state.SetLabel("onednn_sum " + (impl.empty() ? std::string("unsupported") : impl));
+      if (error.empty() && !impl.empty()) {
         const problem<S> p{tw, elements, mean, nullptr, threads};
         auto r = make_onednn_sum_bf16(p);
         poison(std::span<S>(mean, elements));
