@@ -27,11 +27,11 @@
 //
 //   train_mixed_precision [--towers K] [--epochs E] [--quiet]
 //
-// Exits non-zero unless (1) steps were skipped for overflow and the loss scale came down,
-// (2) on the first short last batch that was not skipped, the averaged gradient matches the
-// gradient of the whole batch computed at once in float, within bf16's precision, (3) the final
-// training loss is under a quarter of the initial one, and (4) accuracy on held-out data is at
-// least 90%.
+// Exits non-zero unless (1) steps were skipped for overflow, the loss scale came down and steps
+// with finite noise statistics followed, (2) on the first short last batch that was not skipped,
+// the averaged gradient matches the gradient of the whole batch computed at once in float, within
+// bf16's precision, (3) the final training loss is under a quarter of the initial one, and (4)
+// accuracy on held-out data is at least 90%.
 #include <gradavg/gradavg.hpp>
 
 #include <algorithm>
