@@ -456,8 +456,13 @@ int main(int argc, char** argv) {
   const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
   benchmark::AddCustomContext("OMP_WAIT_POLICY", wait_policy != nullptr ? wait_policy : "unset");
 #ifdef GRADAVG_BENCH_HAVE_ONEDNN
-  const std::string impl = onednn_bf16_sum_implementation(16, elements);
-  benchmark::AddCustomContext("onednn_bf16_sum", impl.empty() ? "unsupported on this CPU (no implementation)" : impl);
+  // oneDNN picks its implementation by the number of sources, so each T is named.
+  std::string impls;
+  for (std::size_t towers : {2, 4, 8, 16}) {
+    const std::string impl = onednn_bf16_sum_implementation(towers, elements);
+    impls += (impls.empty() ? "T=" : ", T=") + std::to_string(towers) + ": " + (impl.empty() ? "unsupported" : impl);
+  }
+  benchmark::AddCustomContext("onednn_bf16_sum", impls);
 #else
   benchmark::AddCustomContext("onednn_bf16_sum", "oneDNN not found at configure time");
 #endif
