@@ -107,3 +107,29 @@ TEST_CASE("average_gradients_into allocates nothing on a pool, on any of its thr
               [&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 2, .pool = exec}); }) == 0);
   }
 }
+
+TEST_CASE("the fused step allocates nothing, on one thread or a pool") {
+  const gradavg_test::workload w(4, {300000, 5, 250000, 0, 17});  // worth 10 chunks
+  auto means = w.outputs(), squares = w.outputs();
+  std::vector<gradavg::variable_statistics> per_variable(w.data[0].size());
+  const double weights[] = {1, 2, 0.5, 3};
+  gradavg::thread_pool pool(3);
+  for (gradavg::executor* exec : std::initializer_list<gradavg::executor*>{nullptr, &pool}) {
+    INFO("pool " << (exec != nullptr));
+    for (const auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
+      const gradavg::options opts{.weights = weights,
+                                  .scale = 0.125,
+                                  .on_nonfinite = policy,
+                                  .statistics = true,
+                                  .samples_per_tower = 32,
+                                  .per_variable = per_variable};
+      gradavg::options with_pool = opts;
+      with_pool.pool = exec;
+      gradavg::average_gradients_into(w.tg, means, squares, with_pool);  // the first call may start things
+      CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, with_pool); }) == 0);
+      with_pool.range = {1000, 400000};
+      with_pool.accumulate = gradavg::accumulation::double_precision;
+      CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, with_pool); }) == 0);
+    }
+  }
+}

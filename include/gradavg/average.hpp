@@ -140,8 +140,8 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
     for (double w : opts.weights) weight_sum += w;
   }
   const Acc divisor = static_cast<Acc>(weight_sum);
-  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), static_cast<Acc>(opts.scale),
-                                 static_cast<Acc>(opts.scale * opts.scale)};
+  const Acc scale = static_cast<Acc>(opts.scale);  // validate_options: representable
+  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), scale, scale * scale};
   const fused_params<Acc>* fused_ptr = fused ? &params : nullptr;
 
   std::size_t segment = split_granularity<Acc>();
@@ -281,6 +281,12 @@ decltype(auto) with_accumulator(const options& opts, F&& f) {
   return f.template operator()<accumulator_t<S>>();
 }
 
+/// The largest finite value of the accumulator type options choose for S.
+template <class S>
+double accumulator_max(const options& opts) noexcept {
+  return with_accumulator<S>(opts, []<class Acc>() { return static_cast<double>(std::numeric_limits<Acc>::max()); });
+}
+
 /// The summary of a call from validation's counts and the pass's result.
 inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size_t towers, const pass_result& pass,
                             const options& opts) {
@@ -316,7 +322,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
   const validated v = validate_into(tg, means, squares, opts, scratch);
   const std::size_t towers = std::ranges::size(tg);
-  validate_options(opts, towers, v.variables);
+  validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
 
   pass_result pass;
   if (v.layout != nullptr) {
@@ -400,7 +406,7 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
   static_assert(detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
   const std::size_t variable_count = detail::validate_towers(tower_grads);
-  detail::validate_options(opts, std::ranges::size(tower_grads), variable_count);
+  detail::validate_options(opts, std::ranges::size(tower_grads), variable_count, detail::accumulator_max<S>(opts));
   if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
     throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
   averaged_gradients<R, V> result;

@@ -1,5 +1,5 @@
 // gradavg: Eigen's Tensor module — Eigen::Tensor and Eigen::TensorMap (of mutable tensors, const
-// tensors, or tensors of const elements), any rank up to gradavg::shape::max_rank, either layout, float or double.
+// tensors, or tensors of const elements), any rank up to gradavg::shape::max_rank, either layout, of float, double, Eigen::half or Eigen::bfloat16.
 // Shape: the tensor's dimensions and layout. Results of the allocating API are Eigen::Tensor.
 #pragma once
 

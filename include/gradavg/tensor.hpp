@@ -2,7 +2,7 @@
 //
 // A gradient (or output) is any type T for which gradavg::tensor_traits<T> is specialised with:
 //
-//   using value_type = ...;                        // element type (float or double today)
+//   using value_type = ...;                        // float, double, Eigen::half or Eigen::bfloat16
 //   static const value_type* data(const T&);      // first element; elements are contiguous
 //   static gradavg::shape shape(const T&);        // dimensions and storage order
 // and, optionally:

@@ -127,7 +127,7 @@ struct fused_state {
     for (auto& p : mean_of_squares) p = D::broadcast(0);
   }
 
-  void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
+  GRADAVG_INLINE_ void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
     if constexpr (std::is_same_v<Acc, double>) {
       mean_squared[u] = D::mul_add(m, m, mean_squared[u]);
       mean_of_squares[u] = D::add(q, mean_of_squares[u]);
@@ -187,12 +187,15 @@ struct group_pass {
   Acc divisor;
   const Acc* weights;  // fused: this group's count weights
   const fused_params<Acc>* fused;
-  fused_state<Acc>* state;
+  fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
+
+  struct no_state {};
+  using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
   /// outputs non-temporally.
   template <bool StreamOut>
-  void step(std::size_t j) const noexcept {
+  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st) const noexcept {
     P a[U], s[U];
     std::size_t k = 0;
     if constexpr (FromAcc) {
@@ -201,11 +204,12 @@ struct group_pass {
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
-      const P w = Fused ? ops::broadcast(weights[0]) : P{};
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[0]);
       for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(towers[0] + j + u * W);
         if constexpr (Fused) {
-          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          st.probe[u] = ops::mul_add(x, ops::broadcast(0), st.probe[u]);
           a[u] = ops::mul(x, w);
           s[u] = ops::mul(a[u], x);
         } else {
@@ -217,11 +221,12 @@ struct group_pass {
     }
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
-      const P w = Fused ? ops::broadcast(weights[k]) : P{};
+      P w{};
+      if constexpr (Fused) w = ops::broadcast(weights[k]);
       for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(g + u * W);
         if constexpr (Fused) {
-          state->probe[u] = ops::mul_add(x, ops::broadcast(0), state->probe[u]);
+          st.probe[u] = ops::mul_add(x, ops::broadcast(0), st.probe[u]);
           const P wx = ops::mul(x, w);
           a[u] = ops::add(a[u], wx);
           s[u] = ops::mul_add(wx, x, s[u]);
@@ -242,7 +247,7 @@ struct group_pass {
         }
         m = ops::canonical_nan(m);
         if constexpr (Squares) q = ops::canonical_nan(q);
-        if constexpr (Fused) state->add_statistics(u, m, q);
+        if constexpr (Fused) st.add_statistics(u, m, q);
         if constexpr (StreamOut) out::stream(mean + j + u * W, m); else out::store(mean + j + u * W, m);
         if constexpr (Squares) {
           if (!Fused || square != nullptr) {
@@ -258,7 +263,7 @@ struct group_pass {
 
   /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
   /// whole steps are, and the n results copied back.
-  void partial_step(std::size_t j, std::size_t n) const noexcept {
+  void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
     alignas(64) S in_buf[group_towers][E] = {};
     const S* in_ptrs[group_towers];
     for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
@@ -270,7 +275,7 @@ struct group_pass {
     }
     alignas(64) O m_buf[E], q_buf[E];
     const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, weights, fused, state};
-    padded.template step<false>(0);
+    padded.template step<false>(0, st);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
       if constexpr (Squares)
@@ -284,16 +289,19 @@ struct group_pass {
   /// Elements [0, len): when streaming, a partial step up to the outputs' packet alignment;
   /// whole steps; then a partial step for the tail.
   void run(std::size_t len) const noexcept {
+    registers st;  // a local the compiler can keep in registers, unlike *state
+    if constexpr (Fused) st = *state;
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
       if (misaligned % sizeof(Acc) == 0 && misaligned != 0) {
         j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
-        partial_step(0, j);
+        partial_step(0, j, st);
       }
     }
-    for (; j + E <= len; j += E) step<ToOut && Stream>(j);
-    if (j < len) partial_step(j, len - j);
+    for (; j + E <= len; j += E) step<ToOut && Stream>(j, st);
+    if (j < len) partial_step(j, len - j, st);
+    if constexpr (Fused) *state = st;
   }
 };
 
@@ -303,7 +311,11 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
   constexpr bool Squares = WithSquare || Fused;
   const S* group[group_towers];
   Acc weights[group_towers];
-  fused_state<Acc> state;
+  struct no_state {};
+  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;  // registers of the fused pass
+  fused_state<Acc>* const state_ptr = [&]() -> fused_state<Acc>* {
+    if constexpr (Fused) return &state; else return nullptr;
+  }();
   auto set_weights = [&](std::size_t first, std::size_t count) {
     if constexpr (Fused)
       for (std::size_t k = 0; k < count; ++k)
@@ -315,7 +327,7 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
     set_weights(0, tower_count);
     group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
         group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, weights, fused,
-        &state}
+        state_ptr}
         .run(end - begin);
   } else {
     constexpr std::size_t B = block_elements<Acc>;
@@ -331,22 +343,22 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
         O* q = square ? square + block : nullptr;
         if (first == 0)
           group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                    &state}
+                                                                    state_ptr}
               .run(len);
         else if (first + count < tower_count)
           group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                   &state}
+                                                                   state_ptr}
               .run(len);
         else
           group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                  &state}
+                                                                  state_ptr}
               .run(len);
       }
     }
   }
   if constexpr (Stream) streaming_fence();
   if constexpr (Fused)
-    return state.result();
+    return state_ptr->result();
   else
     return {};
 }

@@ -24,6 +24,14 @@
 
 #include "isa.hpp"
 
+/// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
+/// registers out of memory).
+#if defined(__GNUC__) || defined(__clang__)
+#define GRADAVG_INLINE_ [[gnu::always_inline]] inline
+#else
+#define GRADAVG_INLINE_ inline
+#endif
+
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
@@ -100,7 +108,7 @@ struct storage_ops {
         return _mm512_maskz_cvtph_ps(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
         return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+            _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 #elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
         return _mm256_cvtps_pd(_mm_loadu_ps(p));
@@ -170,8 +178,8 @@ struct storage_ops {
   /// bfloat16 bit patterns of v's floats, rounded to nearest even, in 32-bit lanes; NaN -> 0x7fc0.
   static __m512i bfloat16_bits(const __m512& v) noexcept {
     const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __m512i lsb = _mm512_and_si512(_mm512_maskz_srli_epi32(0xffff, u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_maskz_srli_epi32(0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
   }
@@ -194,7 +202,7 @@ struct widen_ops {
   static constexpr std::size_t parts = F::width / D::width;
   static_assert(parts >= 1 && parts * D::width == F::width);
 
-  static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
+  GRADAVG_INLINE_ static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
 #if defined(EIGEN_VECTORIZE_AVX512)
     if constexpr (parts == 2 && F::width == 16) {
       out[0] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0)));

@@ -10,11 +10,13 @@
 #include <algorithm>
 #include <array>
 #include <bit>
+#include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <ranges>
@@ -348,7 +350,7 @@ GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
 }
 
 /// At most one dimension above 1: the elements' order does not depend on the storage order.
-inline bool flat_shape(const shape& s) noexcept {
+GRADAVG_HOT_ bool flat_shape(const shape& s) noexcept {
   std::size_t non_trivial = 0;
   for (std::size_t d = 0; d < s.rank; ++d) non_trivial += s.dims[d] > 1 ? 1 : 0;
   return non_trivial <= 1;
@@ -356,13 +358,22 @@ inline bool flat_shape(const shape& s) noexcept {
 
 /// An output fits a gradient of the same shape, or of the same element count when either is
 /// flat (a std::span for a matrix, a bucket buffer): equal size and equal element order.
-inline bool output_fits(const shape& output, const shape& gradient) noexcept {
+GRADAVG_HOT_ bool output_fits(const shape& output, const shape& gradient) noexcept {
   return output == gradient || (output.size() == gradient.size() && (flat_shape(output) || flat_shape(gradient)));
 }
 
+/// x as a message shows it: shortest round-trip form ("0.25", "1e-50", "nan").
+inline std::string describe_number(double x) {
+  char text[32];
+  const auto end = std::to_chars(text, text + sizeof text, x).ptr;
+  return std::string(text, end);
+}
+
 /// Checks the options of the fused step against T towers and V variables (option_error,
-/// weight_error), before anything is written.
-inline void validate_options(const options& opts, std::size_t towers, std::size_t variables) {
+/// weight_error), before anything is written. accumulator_max: the largest finite value of the
+/// accumulator type, which the scale, every weight and the weights' sum are converted to.
+inline void validate_options(const options& opts, std::size_t towers, std::size_t variables,
+                             double accumulator_max) {
   if (!opts.weights.empty()) {
     if (opts.weights.size() != towers)
       throw weight_error("gradavg: options.weights holds " + std::to_string(opts.weights.size()) +
@@ -370,18 +381,23 @@ inline void validate_options(const options& opts, std::size_t towers, std::size_
     double sum = 0;
     for (std::size_t k = 0; k < towers; ++k) {
       const double w = opts.weights[k];
-      if (!std::isfinite(w) || w < 0)
+      if (!std::isfinite(w) || w < 0 || w > accumulator_max)
         throw weight_error("gradavg: options.weights: the weight of tower " + std::to_string(k) + " is " +
-                           std::to_string(w) + "; weights must be finite and >= 0");
+                           describe_number(w) + "; weights must be finite (in the accumulator type) and >= 0");
       sum += w;
     }
-    if (!(sum > 0) || !std::isfinite(sum))
-      throw weight_error("gradavg: options.weights sum to " + std::to_string(sum) + "; the sum must be positive and finite");
+    // The sum becomes the divisor in the accumulator type: it must stay positive and finite there.
+    const double smallest = accumulator_max > 1e300 ? std::numeric_limits<double>::min()
+                                                    : static_cast<double>(std::numeric_limits<float>::min());
+    if (!(sum >= smallest) || !(sum <= accumulator_max))
+      throw weight_error("gradavg: options.weights sum to " + describe_number(sum) +
+                         "; the sum must be positive and finite (a normal number in the accumulator type)");
   }
-  if (!std::isfinite(opts.scale))
-    throw option_error("gradavg: options.scale is " + std::to_string(opts.scale) + "; it must be finite");
+  if (!std::isfinite(opts.scale) || std::abs(opts.scale) > accumulator_max)
+    throw option_error("gradavg: options.scale is " + describe_number(opts.scale) +
+                       "; it must be finite (in the accumulator type)");
   if (!std::isfinite(opts.samples_per_tower) || opts.samples_per_tower < 0)
-    throw option_error("gradavg: options.samples_per_tower is " + std::to_string(opts.samples_per_tower) +
+    throw option_error("gradavg: options.samples_per_tower is " + describe_number(opts.samples_per_tower) +
                        "; it must be finite and >= 0 (0: unknown)");
   if (opts.range.begin > opts.range.end)
     throw option_error("gradavg: options.range begins at " + std::to_string(opts.range.begin) + " after its end " +
