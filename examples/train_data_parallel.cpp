@@ -156,25 +156,6 @@ float max_relative_difference(const parameters& a, const parameters& b) {
   return difference / scale;
 }
 
-// Gradient noise across towers, from gradavg's means and means of squares: the variance
-// E[g^2] - E[g]^2 of the towers' gradients, averaged over elements, and its sum relative to the
-// sum of squared means (how much of a tower's gradient is its shard's noise rather than signal).
-struct gradient_noise {
-  double variance;
-  double noise_to_signal;
-};
-
-gradient_noise measure_noise(const parameters& mean, const parameters& mean_of_squares) {
-  double variance = 0, signal = 0;
-  Eigen::Index elements = 0;
-  for_each_pair(mean, mean_of_squares, [&](const auto& m, const auto& sq) {
-    variance += (sq.array() - m.array().square()).max(0.0f).template cast<double>().sum();
-    signal += m.array().square().template cast<double>().sum();
-    elements += m.size();
-  });
-  return {variance / static_cast<double>(elements), variance / signal};
-}
-
 // ---- Command line. ---------------------------------------------------------------------------
 
 struct config {
@@ -223,7 +204,6 @@ int train(const config& cfg) {
   model.w1 /= std::sqrt(float{features});
   model.w2 = normal_vector(hidden_units, rng) / std::sqrt(float{hidden_units});
   parameters velocity;             // momentum buffer, zero
-  parameters squares;              // means of squared tower gradients, on report steps
   parameters full_batch_gradient;  // for the first step's check
 
   const int towers = cfg.towers;
@@ -235,7 +215,6 @@ int train(const config& cfg) {
   // In place: the means overwrite tower 0's gradients, which the update then reads.
   const parameters& mean_gradient = tower_gradient[0];
   auto means = outputs_of(tower_gradient[0]);
-  auto square_outputs = outputs_of(squares);
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet) {
@@ -251,6 +230,7 @@ int train(const config& cfg) {
   bool stop = false;
   bool failed = false;
   double loss_since_report = 0;
+  double trace_since_report = 0, gradient_squared_since_report = 0;
   int steps_since_report = 0;
   const int report_every = std::max(1, cfg.steps / 10);
 
@@ -263,12 +243,16 @@ int train(const config& cfg) {
       if (step == 0)
         loss_and_gradient(model, epoch.x.middleCols(batch_start, batch_size), epoch.y.segment(batch_start, batch_size),
                           full_batch_gradient);
-      // Report steps also pass squares outputs (this API's form of options.include_square):
-      // the means of squared tower gradients give the noise figure.
-      if (report)
-        gradavg::average_gradients_into(tower_grads, means, square_outputs);
-      else
-        gradavg::average_gradients_into(tower_grads, means);
+      // The statistics fused into the same pass: the global norm, and the gradient-noise
+      // estimates (McCandlish et al.) from the towers as small batches. Each step's estimates are
+      // noisy; as the paper does, tr(Sigma) and |G|^2 are summed over the report interval and
+      // their ratio reported.
+      const gradavg::summary summary = gradavg::average_gradients_into(
+          tower_grads, means, {.statistics = true, .samples_per_tower = static_cast<double>(shard_size)});
+      if (towers > 1) {
+        trace_since_report += summary.noise().trace_covariance;
+        gradient_squared_since_report += summary.noise().gradient_squared;
+      }
 
       if (step == 0) {
         const float difference = max_relative_difference(mean_gradient, full_batch_gradient);
@@ -281,9 +265,11 @@ int train(const config& cfg) {
       for (float loss : tower_loss) loss_since_report += loss / static_cast<float>(towers);
       ++steps_since_report;
       if (report && !cfg.quiet) {
-        const gradient_noise noise = measure_noise(mean_gradient, squares);
-        std::printf("step %5d  loss %.4f  tower gradient variance %.2e  noise/signal %.2f\n", step + 1,
-                    loss_since_report / steps_since_report, noise.variance, noise.noise_to_signal);
+        std::printf("step %5d  loss %.4f  gradient norm %.3f", step + 1, loss_since_report / steps_since_report,
+                    summary.global_norm());
+        if (towers > 1) std::printf("  noise scale %.0f", trace_since_report / gradient_squared_since_report);
+        std::printf("\n");
+        trace_since_report = gradient_squared_since_report = 0;
         loss_since_report = 0;
         steps_since_report = 0;
       }

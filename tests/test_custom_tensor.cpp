@@ -18,7 +18,23 @@ struct matrix {
   std::int64_t rows = 0, cols = 0;
 };
 
+/// A framework tensor that may be undefined (no value, like a parameter that took no part in
+/// the loss): it says so through tensor_traits::present.
+struct maybe_tensor {
+  std::vector<float> values;
+  bool defined = true;
+};
+
 }  // namespace user
+
+template <>
+struct gradavg::tensor_traits<user::maybe_tensor> {
+  using value_type = float;
+  static bool present(const user::maybe_tensor& t) noexcept { return t.defined; }
+  static const float* data(const user::maybe_tensor& t) noexcept { return t.values.data(); }
+  static float* mutable_data(user::maybe_tensor& t) noexcept { return t.values.data(); }
+  static gradavg::shape shape(const user::maybe_tensor& t) noexcept { return gradavg::shape::vector(t.values.size()); }
+};
 
 template <>
 struct gradavg::tensor_traits<user::matrix> {
@@ -87,4 +103,46 @@ TEST_CASE("a user tensor's shape is checked: 7x9 against 9x7") {
     CHECK(std::string(e.what()).find("tower 1 has shape [9, 7] row-major but on tower 0 has shape [7, 9] row-major") !=
           std::string::npos);
   }
+}
+
+TEST_CASE("a tensor that says it holds no value is an absent gradient and a null output") {
+  // Three towers, three variables: defined everywhere, undefined everywhere, undefined on tower 1.
+  std::vector<std::vector<user::maybe_tensor>> grads(3);
+  for (std::size_t k = 0; k < 3; ++k)
+    for (std::size_t i = 0; i < 3; ++i)
+      grads[k].push_back({std::vector<float>(5, static_cast<float>(k + 1) * 0.5f), i != 1});
+  auto towers = [&] {
+    std::vector<std::vector<std::pair<user::maybe_tensor*, int>>> tg(3);
+    for (std::size_t k = 0; k < 3; ++k)
+      for (std::size_t i = 0; i < 2; ++i) tg[k].push_back({&grads[k][i], static_cast<int>(i)});
+    return tg;
+  };
+  std::vector<user::maybe_tensor> means(2, {std::vector<float>(5, -1.f), true});
+  means[1].defined = false;  // the skipped variable's output may be absent too
+
+  const gradavg::summary s = gradavg::average_gradients_into(towers(), means);
+  CHECK(s.averaged == 1);
+  CHECK(s.skipped == 1);
+  for (float x : means[0].values) CHECK(x == (0.5f + 1.0f + 1.5f) / 3);
+  CHECK(means[1].values == std::vector<float>(5, -1.f));
+
+  // Undefined on tower 1 only: the seed's error, naming the variable and the tower.
+  auto tg = towers();
+  for (std::size_t k = 0; k < 3; ++k) tg[k].push_back({&grads[k][2], 2});
+  grads[1][2].defined = false;
+  means.push_back({std::vector<float>(5, -1.f), true});
+  const auto before = means;
+  try {
+    gradavg::average_gradients_into(tg, means);
+    FAIL("no exception");
+  } catch (const gradavg::missing_gradient_error& e) {
+    CHECK(e.variable_index() == 2);
+    CHECK(std::string(e.what()).find("tower 1") != std::string::npos);
+  }
+  for (std::size_t i = 0; i < means.size(); ++i) CHECK(means[i].values == before[i].values);
+
+  // An undefined output where a mean is due: the library's output error.
+  grads[1][2].defined = true;
+  means[0].defined = false;
+  CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means), gradavg::output_error);
 }

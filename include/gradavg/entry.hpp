@@ -3,9 +3,10 @@
 //
 //   entry_traits<E>     gradient(e) and variable(e) of an entry. Default: std::pair / std::tuple of
 //                       two (get<0>, get<1>), or any type with members .gradient and .variable.
-//   slot access         a gradient slot is a tensor (always present), a std::reference_wrapper to
-//                       one, or a pointer-like holder of one — raw or smart pointer, std::optional —
-//                       which is absent when it converts to false (the seed's None).
+//   slot access         a gradient slot is a tensor, a std::reference_wrapper to one, or a
+//                       pointer-like holder of one — raw or smart pointer, std::optional — which
+//                       is absent when it converts to false (the seed's None); a tensor itself is
+//                       absent when its tensor_traits define present() and it returns false.
 //   variable_traits<V>  same(a, b) to check that towers agree, print(os, v) for messages.
 //                       Default: operator== when it exists (strcmp for C strings), operator<< when
 //                       it exists (through the pointer for pointers to printable objects).
@@ -96,12 +97,23 @@ concept nullable_slot = !direct_slot<S> && requires(S& s) {
 template <class S>
 concept slot = direct_slot<S> || nullable_slot<S>;
 
-template <slot S>
-constexpr bool slot_present(const S& s) noexcept {
-  if constexpr (direct_slot<S>)
-    return true;
+/// Whether a tensor holds a value: tensor_traits<T>::present(t) where T defines it (a framework
+/// tensor that can be undefined, the seed's None), else true.
+template <class T>
+constexpr bool tensor_present(const T& t) {
+  if constexpr (requires { { tensor_traits<T>::present(t) } -> std::convertible_to<bool>; })
+    return static_cast<bool>(tensor_traits<T>::present(t));
   else
-    return static_cast<bool>(s);
+    return true;
+}
+
+/// A slot is absent when it is null (pointer-like) or when its tensor says it holds no value.
+template <slot S>
+constexpr bool slot_present(const S& s) {
+  if constexpr (direct_slot<S>)
+    return tensor_present(unwrap_ref(s));
+  else
+    return static_cast<bool>(s) && tensor_present(unwrap_ref(*s));
 }
 
 /// The tensor in a present slot, with the constness the slot gives it.

@@ -8,6 +8,9 @@
 // and, optionally:
 //   static value_type* mutable_data(T&);          // makes T usable as an output
 //   static bool contiguous(const T&);             // false rejects the tensor (default: true)
+//   static bool present(const T&);                // false: no value, the seed's None, as a null
+//                                                 // slot is (default: true); e.g. an undefined
+//                                                 // framework tensor
 //   using result_type = ...;                       // owning type the allocating API returns
 //   static result_type make(const gradavg::shape&);  // allocate one of that shape
 //   static constexpr bool view = true;             // T does not own its elements (a span, a

@@ -64,13 +64,14 @@ template <class S, class O>
 inline constexpr bool supported_output =
     std::is_same_v<O, S> || (std::is_same_v<O, float> && std::is_same_v<accumulator_t<S>, float>);
 
-/// Packets per step: one 64-byte cache line of each tower (at least one packet, at most four).
-template <class Acc>
-inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / packet_ops<Acc>::bytes, 1, 4);
+/// Packets per step: one 64-byte cache line of each tower's storage (at least one packet of the
+/// accumulator, at most four): two float packets per line of 16-bit values on AVX-512.
+template <class S, class Acc>
+inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / (packet_ops<Acc>::width * sizeof(S)), 1, 4);
 
 /// Elements per step.
-template <class Acc>
-inline constexpr std::size_t step_elements = step_packets<Acc> * packet_ops<Acc>::width;
+template <class S, class Acc>
+inline constexpr std::size_t step_elements = step_packets<S, Acc> * packet_ops<Acc>::width;
 
 /// Towers summed in registers before going through the accumulator block.
 inline constexpr std::size_t group_towers = 16;
@@ -92,6 +93,8 @@ struct fused_params {
   const double* weights = nullptr;  // one per tower, rounded to Acc as used; null: every weight is 1
   Acc scale = 1;
   Acc scale_squared = 1;
+  bool detect = false;      // the non-finite probe
+  bool statistics = false;  // the sums of mean^2 and of the means of squares (squares computed)
 };
 
 /// What the fused pass found in one piece of one variable. Trivial (value-initialise it: {}),
@@ -114,7 +117,7 @@ template <class Acc>
 struct fused_state {
   using ops = packet_ops<Acc>;
   using D = packet_ops<double>;
-  static constexpr std::size_t U = step_packets<Acc>;
+  static constexpr std::size_t U = 4;  // the most packets a step has (step_packets)
   static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
 
   typename ops::type probe[U];
@@ -135,6 +138,7 @@ struct fused_state {
       typename D::type wide_m[parts], wide_q[parts];
       widen_ops::widen(m, wide_m);
       widen_ops::widen(q, wide_q);
+      GRADAVG_UNROLL_
       for (std::size_t p = 0; p < parts; ++p) {
         mean_squared[u * parts + p] = D::mul_add(wide_m[p], wide_m[p], mean_squared[u * parts + p]);
         mean_of_squares[u * parts + p] = D::add(wide_q[p], mean_of_squares[u * parts + p]);
@@ -165,7 +169,7 @@ struct fused_state {
 
 /// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
 /// ToOut = the group is the last, so results are divided by the weight sum and stored to the
-/// outputs. Fused: weights, scale, the non-finite probe and statistics (squares always summed).
+/// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
 /// S: the gradients' element type; O: the outputs'.
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
 struct group_pass {
@@ -174,9 +178,9 @@ struct group_pass {
   using out = storage_ops<O, Acc>;
   using P = typename ops::type;
   static constexpr std::size_t W = ops::width;
-  static constexpr std::size_t U = step_packets<Acc>;
-  static constexpr std::size_t E = step_elements<Acc>;
-  static constexpr bool Squares = WithSquare || Fused;
+  static constexpr std::size_t U = step_packets<S, Acc>;
+  static constexpr std::size_t E = step_elements<S, Acc>;
+  static constexpr bool Squares = WithSquare;  // fused: a squares output, or statistics
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
@@ -198,20 +202,26 @@ struct group_pass {
   GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st) const noexcept {
     P a[U], s[U];
     std::size_t k = 0;
+    const bool detect = Fused && fused->detect;
+    P probe[U];  // st.probe in registers for the step
+    if constexpr (Fused)
+      for (std::size_t u = 0; u < U; ++u) probe[u] = st.probe[u];
     if constexpr (FromAcc) {
-      for (std::size_t u = 0; u < U; ++u) {
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         a[u] = ops::load(acc + j + u * W);
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
       P w{};
       if constexpr (Fused) w = ops::broadcast(weights[0]);
-      for (std::size_t u = 0; u < U; ++u) {
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(towers[0] + j + u * W);
         if constexpr (Fused) {
-          st.probe[u] = ops::mul_add(x, ops::broadcast(0), st.probe[u]);
+          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           a[u] = ops::mul(x, w);
-          s[u] = ops::mul(a[u], x);
+          if constexpr (Squares) s[u] = ops::mul(a[u], x);
         } else {
           a[u] = x;
           if constexpr (WithSquare) s[u] = ops::mul(x, x);
@@ -223,19 +233,23 @@ struct group_pass {
       const S* g = towers[k] + j;
       P w{};
       if constexpr (Fused) w = ops::broadcast(weights[k]);
-      for (std::size_t u = 0; u < U; ++u) {
+      GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(g + u * W);
         if constexpr (Fused) {
-          st.probe[u] = ops::mul_add(x, ops::broadcast(0), st.probe[u]);
+          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           const P wx = ops::mul(x, w);
           a[u] = ops::add(a[u], wx);
-          s[u] = ops::mul_add(wx, x, s[u]);
+          if constexpr (Squares) s[u] = ops::mul_add(wx, x, s[u]);
         } else {
           a[u] = ops::add(a[u], x);
           if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
         }
       }
     }
+    if constexpr (Fused)
+      for (std::size_t u = 0; u < U; ++u) st.probe[u] = probe[u];
+    GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; ++u) {
       if constexpr (ToOut) {
         const P d = ops::broadcast(divisor);
@@ -243,11 +257,12 @@ struct group_pass {
         P q = Squares ? ops::div(s[u], d) : P{};
         if constexpr (Fused) {
           m = ops::mul(m, ops::broadcast(fused->scale));
-          q = ops::mul(q, ops::broadcast(fused->scale_squared));
+          if constexpr (Squares) q = ops::mul(q, ops::broadcast(fused->scale_squared));
         }
         m = ops::canonical_nan(m);
         if constexpr (Squares) q = ops::canonical_nan(q);
-        if constexpr (Fused) st.add_statistics(u, m, q);
+        if constexpr (Fused && Squares)
+          if (fused->statistics) st.add_statistics(u, m, q);
         if constexpr (StreamOut) out::stream(mean + j + u * W, m); else out::store(mean + j + u * W, m);
         if constexpr (Squares) {
           if (!Fused || square != nullptr) {
@@ -293,8 +308,10 @@ struct group_pass {
     if constexpr (Fused) st = *state;
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
+      // Not with statistics: their lanes follow the steps, which must not move with the outputs'
+      // address (a misaligned packet is then stored normally, see packet_ops::stream).
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
-      if (misaligned % sizeof(Acc) == 0 && misaligned != 0) {
+      if (misaligned % sizeof(Acc) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
         j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
         partial_step(0, j, st);
       }
@@ -308,7 +325,7 @@ struct group_pass {
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
 piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                                O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
-  constexpr bool Squares = WithSquare || Fused;
+  constexpr bool Squares = WithSquare;
   const S* group[group_towers];
   Acc weights[group_towers];
   struct no_state {};
@@ -375,6 +392,11 @@ piece_result reduce_range(const TowerData& tower_data, std::size_t tower_count, 
   if (begin >= end) return {};
   if constexpr (!std::is_same_v<O, Acc>) streaming = false;
   if (fused != nullptr) {
+    if (square != nullptr || fused->statistics) {
+      if (streaming)
+        return reduce_range_impl<S, Acc, O, true, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+      return reduce_range_impl<S, Acc, O, true, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
+    }
     if (streaming)
       return reduce_range_impl<S, Acc, O, true, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
     return reduce_range_impl<S, Acc, O, true, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);

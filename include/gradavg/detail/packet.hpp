@@ -32,6 +32,16 @@
 #define GRADAVG_INLINE_ inline
 #endif
 
+/// Unrolls the loop that follows over a step's few packets, so that per-packet registers
+/// indexed by the loop stay registers.
+#if defined(__clang__)
+#define GRADAVG_UNROLL_ _Pragma("unroll")
+#elif defined(__GNUC__)
+#define GRADAVG_UNROLL_ _Pragma("GCC unroll 8")
+#else
+#define GRADAVG_UNROLL_
+#endif
+
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
@@ -57,6 +67,15 @@ struct packet_ops {
   /// v with every NaN lane replaced by the default quiet NaN: which NaN operand an addition
   /// propagates depends on instruction operand order, which compilers may swap.
   static type canonical_nan(const type& v) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    // One compare into a mask register and one masked move (Eigen's pselect goes through a vector mask).
+    if constexpr (bytes == 64) {
+      if constexpr (std::is_same_v<T, float>)
+        return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
+      else
+        return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
+    }
+#endif
     return Eigen::internal::pselect(Eigen::internal::pcmp_eq(v, v), v,
                                     broadcast(std::numeric_limits<T>::quiet_NaN()));
   }
@@ -156,6 +175,12 @@ struct storage_ops {
 #elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
         return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_castps_si128(_mm_cvtpd_ps(v)));
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4) {
+        // Four 16-bit values from the low halves of the 32-bit lanes: words 0, 2, 4, 6.
+        __m128i bits = _mm_shufflelo_epi16(bfloat16_bits(v), _MM_SHUFFLE(2, 0, 2, 0));
+        bits = _mm_shufflehi_epi16(bits, _MM_SHUFFLE(2, 0, 2, 0));
+        return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_shuffle_epi32(bits, _MM_SHUFFLE(3, 1, 2, 0)));
+      }
 #endif
       alignas(64) Acc wide[width];
       ops::store(wide, v);
@@ -182,6 +207,14 @@ struct storage_ops {
     const __m512i rounded = _mm512_maskz_srli_epi32(0xffff, _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
+  }
+#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+  static __m128i bfloat16_bits(const __m128& v) noexcept {
+    const __m128i u = _mm_castps_si128(v);
+    const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
+    const __m128i rounded = _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
+    const __m128i is_nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
+    return _mm_or_si128(_mm_andnot_si128(is_nan, rounded), _mm_and_si128(is_nan, _mm_set1_epi32(0x7fc0)));
   }
 #elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
   static __m256i bfloat16_bits(const __m256& v) noexcept {

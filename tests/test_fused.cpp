@@ -1,0 +1,780 @@
+// The fused training step (float and double gradients): tower weights, scale, accumulation in
+// double, non-finite detection and its policies, the statistics (global norm, clipping, noise
+// estimate), per-variable results, partial element ranges, flat outputs, the option errors, both
+// APIs, and bitwise equality of every output and statistic across thread counts and executors.
+// Expected values come from fused_reference.hpp (long double, from the inputs) or, for the bound
+// of accumulation in double, from an exact integer sum; other runs are compared bit for bit with
+// runs checked that way.
+#include <gradavg/eigen.hpp>
+#include <gradavg/gradavg.hpp>
+
+#include <Eigen/Core>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "catch.hpp"
+#include "fused_reference.hpp"
+#include "fused_support.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace gradavg_test;  // fused_reference.hpp, fused_support.hpp, support.hpp
+
+/// McCandlish et al.'s estimates from the two sums, written out here in long double.
+struct noise_reference {
+  long double trace, gradient_squared, noise_scale;
+};
+noise_reference mccandlish(long double m2, long double msq, long double towers, long double samples) {
+  const long double trace = samples * (msq - m2) / (towers - 1);
+  const long double g2 = m2 - trace / samples;
+  return {trace, g2, trace / g2};
+}
+
+/// The sweep behind the weights, scale and statistics cases, for gradients of type S.
+template <class S>
+void check_weights_scale_statistics(std::size_t towers, bool weighted, double scale) {
+  std::vector<std::size_t> sizes;
+  for (std::size_t n = 1; n <= 70; ++n) sizes.push_back(n);
+  sizes.push_back(1000);
+  std::vector<bool> absent(sizes.size(), false);
+  absent[20] = true;  // a skipped variable among them
+  const fused_towers<S> w(towers, sizes, absent, static_cast<std::uint32_t>(towers * 7 + (weighted ? 1 : 0)));
+  const std::vector<double> weights = weighted ? uneven_weights(towers) : std::vector<double>{};
+
+  gradavg::options opts;
+  opts.weights = weights;
+  opts.scale = scale;
+  opts.statistics = true;
+  opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.samples_per_tower = 32;
+  const auto r = run_into(w, opts);
+  const auto want = w.expect(weights, scale);
+  const double tol = fused_tolerance<S>(towers);
+  require_outputs_match(r.means, want, false, tol);
+  require_outputs_match(r.squares, want, true, tol);
+  require_statistics_match(r, want, tol, absent);
+
+  CHECK(r.summary.averaged == sizes.size() - 1);
+  CHECK(r.summary.skipped == 1);
+  CHECK(r.summary.nonfinite_variables == 0);
+  CHECK_FALSE(r.summary.nonfinite());
+  CHECK(r.summary.towers == towers);
+  CHECK(r.summary.total_samples == 32.0 * static_cast<double>(towers));
+  for (std::size_t i = 0; i < sizes.size(); ++i)
+    if (!absent[i]) CHECK_FALSE(r.per_variable[i].nonfinite);
+
+  // Derived statistics against the reference's sums.
+  long double m2 = 0, msq = 0, m2_bound = 0, msq_bound = 0;
+  for (const auto& e : want) {
+    m2 += e.sum_mean_squared;
+    msq += e.sum_mean_of_squares;
+    const auto b = gradavg_test::statistics_error(e, tol);
+    m2_bound += b.mean_squared;
+    msq_bound += b.mean_of_squares;
+  }
+  const double norm = std::sqrt(static_cast<double>(m2));
+  CHECK(r.summary.global_norm() == Approx(norm).epsilon(1e-4));
+  CHECK(r.summary.clip_coefficient(norm / 2) == Approx(0.5).epsilon(1e-4));
+  CHECK(r.summary.clip_coefficient(norm * 2) == 1.0);
+  const auto noise = r.summary.noise();
+  if (towers < 2) {
+    CHECK(std::isnan(noise.trace_covariance));
+    CHECK(std::isnan(noise.gradient_squared));
+    CHECK(std::isnan(noise.simple_noise_scale));
+  } else {
+    // The formulas applied to the reported sums (exact up to double rounding)...
+    const auto from_sums = mccandlish(r.summary.sum_mean_squared, r.summary.sum_mean_of_squares,
+                                      static_cast<long double>(towers), r.summary.total_samples);
+    CHECK(noise.trace_covariance == Approx(static_cast<double>(from_sums.trace)).epsilon(1e-12));
+    CHECK(noise.gradient_squared == Approx(static_cast<double>(from_sums.gradient_squared)).epsilon(1e-12));
+    CHECK(noise.simple_noise_scale == Approx(static_cast<double>(from_sums.noise_scale)).epsilon(1e-12));
+    // ... and to the reference's sums, within the sums' error bounds carried through the formulas.
+    const long double T = static_cast<long double>(towers), B = 32.0L * T;
+    const auto ref = mccandlish(m2, msq, T, B);
+    const long double trace_bound = B * (m2_bound + msq_bound) / (T - 1);
+    const long double g2_bound = m2_bound + trace_bound / B;
+    require_within(noise.trace_covariance, static_cast<double>(ref.trace), static_cast<double>(trace_bound),
+                   "noise().trace_covariance");
+    require_within(noise.gradient_squared, static_cast<double>(ref.gradient_squared), static_cast<double>(g2_bound),
+                   "noise().gradient_squared");
+    require_within(noise.simple_noise_scale, static_cast<double>(ref.noise_scale),
+                   static_cast<double>(2 * (trace_bound + std::abs(ref.noise_scale) * g2_bound) /
+                                       (std::abs(ref.gradient_squared) - g2_bound)),
+                   "noise().simple_noise_scale");
+    const auto v = r.summary.noise(r.per_variable[70]);  // the 1000-element variable
+    const auto vref = mccandlish(want[70].sum_mean_squared, want[70].sum_mean_of_squares, T, B);
+    const auto vb = gradavg_test::statistics_error(want[70], tol);
+    require_within(v.trace_covariance, static_cast<double>(vref.trace),
+                   static_cast<double>(B * (vb.mean_squared + vb.mean_of_squares) / (T - 1)),
+                   "noise(per_variable).trace_covariance");
+  }
+}
+
+}  // namespace
+
+TEST_CASE("weights, scale and statistics against the reference: 1 to 70 elements, T in {1, 2, 3, 8, 17, 33}") {
+  for (std::size_t towers : {1, 2, 3, 8, 17, 33}) {
+    INFO("T = " << towers);
+    {
+      INFO("float, uneven weights, unscaled by a loss scale of 1024");
+      check_weights_scale_statistics<float>(towers, true, 1.0 / 1024);
+    }
+    {
+      INFO("float, no weights, scale 3");
+      check_weights_scale_statistics<float>(towers, false, 3.0);
+    }
+    {
+      INFO("double, uneven weights, scale -0.5");
+      check_weights_scale_statistics<double>(towers, true, -0.5);
+    }
+  }
+}
+
+TEST_CASE("without weights, with scale 1, statistics and detection change no output bit") {
+  for (std::size_t towers : {1, 3, 17}) {
+    INFO("T = " << towers);
+    const fused_towers<float> w(towers, {1, 15, 16, 17, 63, 64, 65, 4099}, {}, 3);
+    const auto plain = run_into(w, {});
+    gradavg::options opts;
+    opts.statistics = true;
+    opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+    opts.samples_per_tower = 8;
+    const auto fused = run_into(w, opts);
+    CHECK(same_bits_all(plain.means, fused.means));
+    CHECK(same_bits_all(plain.squares, fused.squares));
+    // Statistics off: sums 0 and per_variable sums untouched (nonfinite is written: detection is on).
+    opts.statistics = false;
+    const auto no_stats = run_into(w, opts);
+    CHECK(no_stats.summary.sum_mean_squared == 0);
+    CHECK(no_stats.summary.sum_mean_of_squares == 0);
+    for (const auto& v : no_stats.per_variable) {
+      CHECK_FALSE(v.nonfinite);
+      CHECK(same_double_bits(v.sum_mean_squared, untouched_entry.sum_mean_squared));
+      CHECK(same_double_bits(v.sum_mean_of_squares, untouched_entry.sum_mean_of_squares));
+    }
+    // Detection off: nonfinite untouched, statistics written.
+    opts.statistics = true;
+    opts.on_nonfinite = gradavg::nonfinite_policy::ignore;
+    const auto no_detection = run_into(w, opts);
+    CHECK(no_detection.summary.nonfinite_variables == 0);
+    for (const auto& v : no_detection.per_variable) {
+      CHECK(v.nonfinite == untouched_entry.nonfinite);
+      CHECK(v.sum_mean_squared >= 0);
+    }
+    // Statistics without a squares output: the same sums.
+    const auto means_only = run_into(w, opts, false);
+    CHECK(same_bits_all(means_only.means, fused.means));
+    CHECK(same_double_bits(means_only.summary.sum_mean_of_squares, fused.summary.sum_mean_of_squares));
+    CHECK(same_double_bits(means_only.summary.sum_mean_squared, fused.summary.sum_mean_squared));
+  }
+}
+
+TEST_CASE("statistics of zero gradients and unknown sample counts") {
+  fused_towers<float> w(4, {5, 33});
+  for (auto& tower : w.data)
+    for (auto& g : tower) std::fill(g.begin(), g.end(), 0.0f);
+  gradavg::options opts;
+  opts.statistics = true;
+  const auto r = run_into(w, opts);
+  CHECK(r.summary.sum_mean_squared == 0);
+  CHECK(r.summary.global_norm() == 0);
+  CHECK(r.summary.clip_coefficient(1.0) == 1.0);
+  CHECK(r.summary.total_samples == 0);  // samples_per_tower unknown
+  CHECK(std::isnan(r.summary.noise().simple_noise_scale));
+  CHECK(std::isnan(r.summary.noise().trace_covariance));
+}
+
+TEST_CASE("accumulation in double: within half an ulp plus T 2^-53 of the exact mean, T up to 1024") {
+  // Inputs: floats of magnitude in [2^-30, 1), so x 2^53 is an integer below 2^53 and the sum of
+  // 1024 of them is exact in int64_t. Summed in double, each of T - 1 additions and the division
+  // is off by at most 2^-53 of the sum of magnitudes, so d = mean in double satisfies
+  // |d - exact| <= T 2^-53 mag with mag = sum |x| / T; rounding d once to float adds half an ulp:
+  //   |result - exact| <= 0.5 ulp(result) + T 2^-53 mag.
+  // The mean of squares (x^2 exact in double, the reference in long double) likewise, with one
+  // more rounding: |result - ref| <= 0.5 ulp(result) + (T + 2) 2^-53 sqmag.
+  // Summed in float (accumulation::native), the means miss this bound from T = 3 on.
+  for (std::size_t towers : {1, 2, 3, 17, 100, 1024}) {
+    INFO("T = " << towers);
+    const std::size_t n = 67;
+    std::mt19937_64 gen(towers);
+    std::vector<std::vector<float>> data(towers, std::vector<float>(n));
+    for (auto& g : data)
+      for (float& x : g) {
+        const int e = static_cast<int>(gen() % 30) - 30;                              // [-30, -1]
+        const auto m = static_cast<double>((gen() % (std::uint64_t{1} << 23)) | (std::uint64_t{1} << 23));  // 24 bits
+        x = static_cast<float>(std::ldexp(m, e - 23) * ((gen() & 1) ? -1 : 1));
+      }
+    std::vector<std::vector<std::pair<const std::vector<float>*, int>>> tg(towers);
+    for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({&data[k], 0});
+    std::vector<std::vector<float>> means{std::vector<float>(n, -1.0f)}, squares = means;
+    gradavg::options opts;
+    opts.accumulate = gradavg::accumulation::double_precision;
+    gradavg::average_gradients_into(tg, means, squares, opts);
+
+    const long double T = static_cast<long double>(towers);
+    const long double two53 = std::ldexp(1.0L, 53);
+    std::size_t bad_means = 0, bad_squares = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      std::int64_t exact = 0;  // sum x 2^53
+      long double mag = 0, sq = 0;
+      for (const auto& g : data) {
+        exact += static_cast<std::int64_t>(std::ldexp(static_cast<long double>(g[j]), 53));
+        mag += std::abs(static_cast<long double>(g[j]));
+        sq += static_cast<long double>(g[j]) * g[j];
+      }
+      auto ulp = [](float r) { return std::ldexp(1.0L, std::max(std::ilogb(r), -126) - 23); };
+      const float r = means[0][j];
+      // |r - exact / (T 2^53)| scaled by T 2^53: r T 2^53 is exact in long double.
+      const long double err = std::abs(static_cast<long double>(r) * T * two53 - static_cast<long double>(exact));
+      // mag here is sum |x| = T times the mean magnitude.
+      const long double bound = (0.5L * ulp(r) + mag / two53) * T * two53;
+      if (!(err <= bound) && bad_means++ == 0)
+        UNSCOPED_INFO("first bad mean " << j << ": got " << r << ", exact "
+                                        << static_cast<double>(static_cast<long double>(exact) / T / two53));
+      const float q = squares[0][j];
+      const long double qerr = std::abs(static_cast<long double>(q) - sq / T);
+      if (!(qerr <= 0.5L * ulp(q) + (T + 2) * (sq / T) / two53) && bad_squares++ == 0)
+        UNSCOPED_INFO("first bad square " << j << ": got " << q << ", want " << static_cast<double>(sq / T));
+    }
+    CHECK(bad_means == 0);
+    CHECK(bad_squares == 0);
+  }
+}
+
+TEST_CASE("accumulation in double with weights and scale, and its statistics") {
+  // Weighted: the products and the weight sum add T + 1 roundings in double, the scale one more:
+  // within 0.5 ulp + (2T + 4) 2^-53 mag of the long double reference.
+  for (std::size_t towers : {3, 33, 200}) {
+    INFO("T = " << towers);
+    const fused_towers<float> w(towers, {1, 16, 67, 300}, {}, 11);
+    const std::vector<double> weights = uneven_weights(towers);
+    gradavg::options opts;
+    opts.accumulate = gradavg::accumulation::double_precision;
+    opts.weights = weights;
+    opts.scale = 0.125;
+    opts.statistics = true;
+    const auto r = run_into(w, opts);
+    const auto want = w.expect(weights, 0.125);
+    const double tol = fused_tolerance<double>(towers);  // the accumulator's error, before rounding to float
+    require_outputs_match(r.means, want, false, tol);
+    require_outputs_match(r.squares, want, true, tol);
+    require_statistics_match(r, want, tol, w.absent);
+  }
+}
+
+// ---- Non-finite inputs. ----------------------------------------------------------------------
+
+
+TEST_CASE("non-finite inputs at the first, last and packet-boundary elements, in any tower, beside a skipped variable") {
+  // Variables 1 and 3 are the neighbours of the skipped variable 2.
+  const std::vector<std::size_t> sizes{70, 5, 9, 70, 1};
+  const std::vector<bool> absent{false, false, true, false, false};
+  const std::vector<std::pair<std::size_t, std::vector<std::size_t>>> where{
+      {0, {0, 7, 8, 15, 16, 31, 32, 63, 64, 69}}, {1, {0, 4}}, {3, {0, 15, 16, 69}}, {4, {0}}};
+  for (std::size_t towers : {1, 3, 17, 33}) {
+    INFO("T = " << towers);
+    fused_towers<float> w(towers, sizes, absent, 5);
+    std::vector<std::size_t> poisoned_towers{0, towers - 1};
+    if (towers > 16) poisoned_towers.push_back(16);  // the first tower of the second group of 16
+    for (const auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
+      gradavg::options opts;
+      opts.on_nonfinite = policy;
+      opts.statistics = true;
+      const auto clean = run_into(w, opts);
+      CHECK(clean.summary.nonfinite_variables == 0);
+      require_statistics_match(clean, w.expect({}, 1.0), fused_tolerance<float>(towers), absent);
+      for (std::size_t tower : poisoned_towers)
+        for (const auto& [variable, elements] : where)
+          for (std::size_t element : elements)
+            for (double value : {nan_value, inf_value, -inf_value}) {
+              const poison p{tower, variable, element, value};
+              require_poison_handled(clean, run_poisoned(w, p, opts), p, policy, absent);
+            }
+    }
+    // Ignored (the default), with statistics or without: nothing detected, nothing reported.
+    const poison p{towers - 1, 3, 16, nan_value};
+    for (bool statistics : {false, true}) {
+      INFO("policy ignore, statistics " << statistics);
+      const auto ignored = run_poisoned(w, p, {.on_nonfinite = gradavg::nonfinite_policy::ignore, .statistics = statistics});
+      CHECK(ignored.summary.nonfinite_variables == 0);
+      CHECK_FALSE(ignored.summary.nonfinite());
+      CHECK(std::isnan(ignored.means[3][16]));
+      CHECK(ignored.per_variable[3].nonfinite == untouched_entry.nonfinite);
+    }
+  }
+}
+
+TEST_CASE("a non-finite input on a tower of weight 0 is still detected") {
+  fused_towers<float> w(5, {40, 3}, {}, 9);
+  const std::vector<double> weights{1, 0, 2, 3, 0};
+  gradavg::options opts;
+  opts.weights = weights;
+  opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.statistics = true;
+  const auto clean = run_into(w, opts);
+  for (double value : {nan_value, -nan_value, inf_value, -inf_value}) {  // -NaN: the sign is not kept either
+    const poison p{4, 0, 17, value};
+    require_poison_handled(clean, run_poisoned(w, p, opts), p, gradavg::nonfinite_policy::report, {false, false}, true);
+  }
+  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  const auto clean_zero = run_into(w, opts);
+  const poison p{1, 1, 2, inf_value};
+  require_poison_handled(clean_zero, run_poisoned(w, p, opts), p, gradavg::nonfinite_policy::zero, {false, false}, true);
+}
+
+TEST_CASE("non-finite inputs at chunk boundaries, with 3 and 8 threads and a pool") {
+  // 17 towers of 1000 + 110000 + 3000 floats with means and squares: about 8.7 MB, 8 chunks of at
+  // least 1 MiB. Chunks split the flat range at multiples of 1024 elements near total * c / chunks:
+  // the positions are both sides of both such multiples for each c, and of each variable boundary.
+  const std::size_t towers = 17;
+  const std::vector<std::size_t> sizes{1000, 110000, 3000};
+  const std::vector<bool> absent(3, false);
+  fused_towers<float> w(towers, sizes, absent, 13);
+  const std::size_t total = w.flat_size();
+  auto positions = [total](std::size_t chunks) {
+    std::vector<std::size_t> flat{0, 999, 1000, 110999, 111000, total - 1};
+    for (std::size_t c = 1; c < chunks; ++c)
+      for (std::size_t b : {total * c / chunks / 1024 * 1024, (total * c / chunks / 1024 + 1) * 1024}) {
+        flat.push_back(b - 1);
+        flat.push_back(b);
+      }
+    return flat;
+  };
+  gradavg::thread_pool pool(3);
+  for (const auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
+    gradavg::options opts;
+    opts.on_nonfinite = policy;
+    opts.statistics = true;
+    const auto clean = run_into(w, opts);
+    for (std::size_t threads : {3, 8, 0}) {
+      INFO("threads = " << (threads == 0 ? "pool of 3" : std::to_string(threads)));
+      opts.threads = threads == 0 ? gradavg::default_threads : threads;
+      opts.pool = threads == 0 ? &pool : nullptr;
+      for (std::size_t flat : positions(threads == 8 ? 8 : 3)) {
+        std::size_t variable = 0, element = flat;
+        while (element >= sizes[variable]) element -= sizes[variable++];
+        const poison p{flat % 2 == 0 ? std::size_t{16} : std::size_t{0}, variable, element,
+                       flat % 3 == 0 ? nan_value : (flat % 3 == 1 ? inf_value : -inf_value)};
+        require_poison_handled(clean, run_poisoned(w, p, opts), p, policy, absent);
+      }
+    }
+  }
+}
+
+TEST_CASE("several non-finite variables are counted once each") {
+  fused_towers<float> w(3, {10, 10, 10, 10}, {false, true, false, false}, 21);
+  w.data[0][0][3] = std::numeric_limits<float>::quiet_NaN();
+  w.data[1][0][4] = std::numeric_limits<float>::infinity();  // same variable again
+  w.data[2][3][9] = -std::numeric_limits<float>::infinity();
+  const auto r = run_into(w, {.on_nonfinite = gradavg::nonfinite_policy::zero});
+  CHECK(r.summary.nonfinite_variables == 2);
+  CHECK(r.per_variable[0].nonfinite);
+  CHECK(is_untouched(r.per_variable[1]));
+  CHECK_FALSE(r.per_variable[2].nonfinite);
+  CHECK(r.per_variable[3].nonfinite);
+  for (float x : r.means[3]) CHECK(std::bit_cast<std::uint32_t>(x) == 0u);
+}
+
+TEST_CASE("overflow of a sum of finite inputs is not a non-finite input") {
+  fused_towers<float> w(4, {20});
+  for (auto& tower : w.data) std::fill(tower[0].begin(), tower[0].end(), std::numeric_limits<float>::max());
+  const auto r = run_into(w, {.on_nonfinite = gradavg::nonfinite_policy::zero});
+  CHECK(r.summary.nonfinite_variables == 0);
+  CHECK_FALSE(r.per_variable[0].nonfinite);
+  CHECK(std::isinf(r.squares[0][0]));  // what IEEE arithmetic gives, not zeroed
+}
+
+// ---- Partial ranges and flat outputs. ----------------------------------------------------------
+
+TEST_CASE("buckets of the flat range: together the same outputs as one full call, nothing outside written") {
+  const std::vector<std::size_t> sizes{37, 1, 4, 200, 64, 9000};
+  const std::vector<bool> absent{false, false, true, false, false, false};
+  const fused_towers<float> w(5, sizes, absent, 17);
+  const std::size_t total = w.flat_size();  // 9302
+  const std::vector<double> weights{1, 2, 0.5, 3, 1};
+  gradavg::options opts;
+  opts.weights = weights;
+  opts.scale = 0.25;
+  opts.statistics = true;
+  opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.samples_per_tower = 16;
+  const auto full = run_into(w, opts);
+  const double tol = fused_tolerance<float>(5);
+  require_outputs_match(full.means, w.expect(weights, 0.25), false, tol);
+
+  // Cut points: inside a variable, at variable boundaries, an empty bucket, the end.
+  const std::vector<std::size_t> cuts{0, 10, 37, 38, 38, 100, 238, 239, 302, 5000, total};
+  for (std::size_t threads : {1, 3}) {
+    INFO("threads = " << threads);
+    fused_run<float> together = run_into(w, {});  // outputs to fill bucket by bucket
+    for (auto& m : together.means) std::fill(m.begin(), m.end(), sentinel_value<float>);
+    for (auto& m : together.squares) std::fill(m.begin(), m.end(), sentinel_value<float>);
+    for (std::size_t b = 0; b + 1 < cuts.size(); ++b) {
+      INFO("bucket [" << cuts[b] << ", " << cuts[b + 1] << ")");
+      opts.threads = threads;
+      opts.range = {cuts[b], cuts[b + 1]};
+      const auto bucket = run_into(w, opts);
+      const auto want = w.expect(weights, 0.25, cuts[b], cuts[b + 1]);
+      // In range: bitwise the full call's; outside: the sentinel.
+      require_outputs_match(bucket.means, want, false, tol);
+      require_outputs_match(bucket.squares, want, true, tol);
+      std::size_t in_range_variables = 0;
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        if (absent[i] || want[i].end == want[i].begin) continue;
+        ++in_range_variables;
+        const std::size_t b0 = want[i].begin, n = want[i].end - want[i].begin;
+        CHECK(std::memcmp(bucket.means[i].data() + b0, full.means[i].data() + b0, n * sizeof(float)) == 0);
+        CHECK(std::memcmp(bucket.squares[i].data() + b0, full.squares[i].data() + b0, n * sizeof(float)) == 0);
+        CHECK_FALSE(bucket.per_variable[i].nonfinite);
+      }
+      CHECK(bucket.summary.averaged == in_range_variables);
+      require_statistics_match(bucket, want, tol, absent);
+
+      // The same bucket into outputs shared by every bucket.
+      opts.per_variable = {};
+      gradavg::average_gradients_into(w.tg, together.means, together.squares, opts);
+    }
+    CHECK(same_bits_all(together.means, full.means));
+    CHECK(same_bits_all(together.squares, full.squares));
+  }
+}
+
+TEST_CASE("a range is clamped to the flat total, and non-finite inputs outside it are not seen") {
+  fused_towers<float> w(3, {50, 50}, {}, 19);
+  gradavg::options opts;
+  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.statistics = true;
+  w.data[1][0][10] = std::numeric_limits<float>::quiet_NaN();  // outside [20, 70)
+  opts.range = {20, 70};
+  const auto r = run_into(w, opts);
+  CHECK(r.summary.nonfinite_variables == 0);
+  CHECK_FALSE(r.per_variable[0].nonfinite);
+  CHECK(r.means[0][10] == sentinel_value<float>);
+  w.data[1][1][19] = std::numeric_limits<float>::infinity();  // flat 69: inside
+  const auto r2 = run_into(w, opts);
+  CHECK(r2.summary.nonfinite_variables == 1);
+  CHECK(r2.per_variable[1].nonfinite);
+  for (std::size_t j = 0; j < 20; ++j) CHECK(std::bit_cast<std::uint32_t>(r2.means[1][j]) == 0u);
+  for (std::size_t j = 20; j < 50; ++j) CHECK(r2.means[1][j] == sentinel_value<float>);
+  w.data[1][1][19] = 0.5f;
+  w.data[1][0][10] = 0.5f;
+
+  opts.range = {60, std::numeric_limits<std::size_t>::max() - 1};  // end clamped to 100
+  const auto tail = run_into(w, opts);
+  CHECK(tail.summary.averaged == 1);
+  CHECK(is_untouched(tail.per_variable[0]));
+  require_outputs_match(tail.means, w.expect({}, 1.0, 60, 100), false, fused_tolerance<float>(3));
+  opts.range = {100, 100};
+  const auto none = run_into(w, opts);
+  CHECK(none.summary.averaged == 0);
+  CHECK(none.summary.sum_mean_squared == 0);
+  CHECK(is_untouched(none.per_variable[0]));
+  CHECK(is_untouched(none.per_variable[1]));
+  opts.range = {150, 200};  // both clamped to 100
+  CHECK(run_into(w, opts).summary.averaged == 0);
+}
+
+TEST_CASE("zero policy on a bucket over many segments: only the bucket's elements of the flagged variable are zeroed") {
+  // 703,000 elements: the flat range is cut into segments larger than the split granularity.
+  fused_towers<float> w(2, {3000, 700000}, {}, 47);
+  w.data[1][1][400000] = std::numeric_limits<float>::quiet_NaN();
+  gradavg::options opts;
+  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.statistics = true;
+  opts.range = {2000, 600000};
+  for (std::size_t threads : {1, 3}) {
+    INFO("threads = " << threads);
+    opts.threads = threads;
+    const auto r = run_into(w, opts);
+    CHECK(r.summary.nonfinite_variables == 1);
+    CHECK_FALSE(r.per_variable[0].nonfinite);
+    CHECK(r.per_variable[1].nonfinite);
+    const auto want = w.expect({}, 1.0, 2000, 600000);
+    CHECK(first_fused_mismatch(r.means[0].data(), want[0], false, fused_tolerance<float>(2)) == 3000);
+    CHECK(std::count(r.means[0].begin(), r.means[0].begin() + 2000, sentinel_value<float>) == 2000);
+    const auto& m = r.means[1];
+    CHECK(std::count_if(m.begin(), m.begin() + 597000, [](float x) { return std::bit_cast<std::uint32_t>(x) != 0; }) == 0);
+    CHECK(std::count_if(m.begin() + 597000, m.end(), [](float x) { return x != sentinel_value<float>; }) == 0);
+    CHECK(r.summary.sum_mean_squared == Approx(want[0].sum_mean_squared).epsilon(1e-6));
+  }
+}
+
+TEST_CASE("in place (means into tower 0's gradients) with every fused option: the same bits as out of place") {
+  for (std::size_t threads : {1, 3}) {
+    INFO("threads = " << threads);
+    fused_towers<float> w(5, {7, 64, 300000, 33}, {}, 53);
+    w.data[3][3][5] = -std::numeric_limits<float>::infinity();
+    const std::vector<double> weights{1, 2, 0, 4, 1};
+    gradavg::options opts;
+    opts.weights = weights;
+    opts.scale = 0.5;
+    opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+    opts.statistics = true;
+    opts.threads = threads;
+    const auto apart = run_into(w, opts, false);
+    std::vector<gradavg::variable_statistics> entries(4, untouched_entry);
+    opts.per_variable = entries;
+    std::vector<std::vector<float>*> in_place;
+    for (auto& g : w.data[0]) in_place.push_back(&g);
+    const auto s = gradavg::average_gradients_into(w.tg, in_place, opts);
+    CHECK(same_bits_all(w.data[0], apart.means));
+    CHECK(s.nonfinite_variables == 1);
+    CHECK(entries[3].nonfinite);
+    CHECK(same_double_bits(s.sum_mean_squared, apart.summary.sum_mean_squared));
+  }
+}
+
+TEST_CASE("outputs and statistics do not depend on the outputs' alignment, with streaming stores or not") {
+  for (std::size_t towers : {1, 3, 17}) {
+    const fused_towers<float> w(towers, {1000}, {}, 59);
+    gradavg::options opts;
+    opts.scale = 0.3;
+    opts.statistics = true;
+    const auto first = run_into(w, opts);
+    for (bool streaming : {false, true})
+      for (std::size_t offset = 0; offset < 16; ++offset) {
+        INFO("T = " << towers << ", streaming " << streaming << ", outputs " << offset << " floats past 64 bytes");
+        gradavg_test::buffer<float> mean(1000, offset, -1.0f), square(1000, offset, -1.0f);
+        std::vector<std::span<float>> means{std::span(mean.data(), 1000)}, squares{std::span(square.data(), 1000)};
+        opts.streaming_stores = streaming;
+        const auto s = gradavg::average_gradients_into(w.tg, means, squares, opts);
+        CHECK(std::memcmp(mean.data(), first.means[0].data(), 1000 * sizeof(float)) == 0);
+        CHECK(std::memcmp(square.data(), first.squares[0].data(), 1000 * sizeof(float)) == 0);
+        CHECK(same_double_bits(s.sum_mean_squared, first.summary.sum_mean_squared));
+        CHECK(same_double_bits(s.sum_mean_of_squares, first.summary.sum_mean_of_squares));
+        CHECK(mean.surroundings_intact());
+      }
+  }
+}
+
+TEST_CASE("flat outputs for matrix gradients are accepted; a transposed shape is not") {
+  Eigen::MatrixXf a0 = Eigen::MatrixXf::Random(3, 4), a1 = Eigen::MatrixXf::Random(3, 4);
+  using row_major = Eigen::Matrix<float, 3, 4, Eigen::RowMajor>;
+  const row_major b0 = row_major::Random(), b1 = row_major::Random();
+  const std::vector<std::vector<std::pair<const Eigen::MatrixXf*, int>>> ta{{{&a0, 0}}, {{&a1, 0}}};
+  const std::vector<std::vector<std::pair<const row_major*, int>>> tb{{{&b0, 0}}, {{&b1, 0}}};
+  const std::vector<double> weights{1, 3};
+  gradavg::options opts;
+  opts.weights = weights;
+  opts.scale = 2;
+
+  // One flat bucket buffer holding both variables' means, in each gradient's storage order.
+  std::vector<float> bucket(24, -1.0f), bucket_squares(24, -1.0f);
+  std::vector<std::span<float>> means{std::span(bucket).first(12)}, squares{std::span(bucket_squares).first(12)};
+  gradavg::average_gradients_into(ta, means, squares, opts);
+  std::vector<std::span<float>> means_b{std::span(bucket).subspan(12)};
+  gradavg::average_gradients_into(tb, means_b, opts);
+  const double tol = fused_tolerance<float>(2);
+  const auto wa = expect_fused<float>({a0.data(), a1.data()}, 0, 12, weights, 2.0);
+  const auto wb = expect_fused<float>({b0.data(), b1.data()}, 0, 12, weights, 2.0);
+  CHECK(gradavg_test::first_fused_mismatch(bucket.data(), wa, false, tol) == 12);
+  CHECK(gradavg_test::first_fused_mismatch(bucket_squares.data(), wa, true, tol) == 12);
+  CHECK(gradavg_test::first_fused_mismatch(bucket.data() + 12, wb, false, tol) == 12);
+  CHECK(bucket_squares[12] == -1.0f);
+
+  // A flat gradient into a 3x4 matrix, and a 12x1 column vector output: accepted.
+  const std::vector<float> g0(12, 1.0f), g1(12, 3.0f);
+  const std::vector<std::vector<std::pair<const std::vector<float>*, int>>> tv{{{&g0, 0}}, {{&g1, 0}}};
+  Eigen::MatrixXf m(3, 4);
+  Eigen::VectorXf v(12);
+  std::vector<Eigen::MatrixXf*> into_m{&m};
+  std::vector<Eigen::VectorXf*> into_v{&v};
+  gradavg::average_gradients_into(tv, into_m, opts);
+  gradavg::average_gradients_into(tv, into_v, opts);
+  CHECK((m.array() == 5.0f).all());  // (1 + 3 * 3) / 4 * 2
+  CHECK((v.array() == 5.0f).all());
+
+  // Transposed (4x3 for 3x4), the other storage order, or another count: rejected, untouched.
+  Eigen::MatrixXf t = Eigen::MatrixXf::Constant(4, 3, -2.0f);
+  std::vector<Eigen::MatrixXf*> into_t{&t};
+  CHECK_THROWS_AS(gradavg::average_gradients_into(ta, into_t, opts), gradavg::output_error);
+  CHECK((t.array() == -2.0f).all());
+  row_major r = row_major::Constant(-2.0f);
+  std::vector<row_major*> into_r{&r};
+  CHECK_THROWS_AS(gradavg::average_gradients_into(ta, into_r, opts), gradavg::output_error);
+  CHECK((r.array() == -2.0f).all());
+  std::vector<float> short_flat(11, -2.0f);
+  std::vector<std::span<float>> into_short{std::span(short_flat)};
+  CHECK_THROWS_AS(gradavg::average_gradients_into(ta, into_short, opts), gradavg::output_error);
+  CHECK(short_flat == std::vector<float>(11, -2.0f));
+}
+
+// ---- Validation. ------------------------------------------------------------------------------
+
+namespace {
+
+/// Three towers of three variables; requires both APIs to throw E for opts and the _into call
+/// to leave outputs and per_variable entries bitwise untouched; returns the message.
+template <class E>
+std::string both_throw(gradavg::options opts, bool allocating_too = true) {
+  const fused_towers<float> w(3, {5, 3, 8}, {}, 23);
+  auto r = run_into(w, {});
+  for (auto* outs : {&r.means, &r.squares})
+    for (auto& o : *outs) std::fill(o.begin(), o.end(), -42.0f);
+  const auto means_before = r.means, squares_before = r.squares;
+  std::vector<gradavg::variable_statistics> entries(3, untouched_entry);
+  if (opts.per_variable.empty()) opts.per_variable = entries;
+  std::string msg = message_of<E>([&] { gradavg::average_gradients_into(w.tg, r.means, r.squares, opts); });
+  CHECK(same_bits_all(r.means, means_before));
+  CHECK(same_bits_all(r.squares, squares_before));
+  for (const auto& e : entries) CHECK(is_untouched(e));
+  std::string means_only = message_of<E>([&] { gradavg::average_gradients_into(w.tg, r.means, opts); });
+  CHECK(means_only == msg);
+  CHECK(same_bits_all(r.means, means_before));
+  if (allocating_too) {
+    opts.include_square = true;
+    CHECK_THROWS_AS(gradavg::average_gradients(w.tg, opts), E);
+  }
+  return msg;
+}
+
+}  // namespace
+
+TEST_CASE("bad weights: wrong count, NaN, infinite, negative, zero or infinite sum; the tower named") {
+  STATIC_REQUIRE(std::is_base_of_v<gradavg::option_error, gradavg::weight_error>);
+  STATIC_REQUIRE(std::is_base_of_v<gradavg::error, gradavg::option_error>);
+  const std::vector<double> two{1, 1}, four{1, 1, 1, 1};
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = two}), "2"));
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = four}), "4"));
+  const std::vector<double> nan_1{1, nan_value, 1}, inf_0{inf_value, 1, 1}, negative_2{1, 1, -0.5};
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = nan_1}), "tower 1"));
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = inf_0}), "tower 0"));
+  CHECK(contains(both_throw<gradavg::weight_error>({.weights = negative_2}), "tower 2"));
+  const std::vector<double> zeros{0, 0, 0}, huge{1e308, 1e308, 1e308};
+  both_throw<gradavg::weight_error>({.weights = zeros});
+  both_throw<gradavg::weight_error>({.weights = huge});
+  const std::vector<double> negative_zero{-0.0, 1, 1};  // -0 is not negative: accepted
+  const fused_towers<float> w(3, {5});
+  CHECK_NOTHROW(run_into(w, {.weights = negative_zero}));
+}
+
+TEST_CASE("bad scale, bad sample count, begin > end, per_variable of the wrong size") {
+  for (double scale : {nan_value, inf_value, -inf_value}) {
+    INFO("scale " << scale);
+    both_throw<gradavg::option_error>({.scale = scale});
+  }
+  for (double samples : {-1.0, nan_value, inf_value}) {
+    INFO("samples_per_tower " << samples);
+    both_throw<gradavg::option_error>({.samples_per_tower = samples});
+  }
+  gradavg::options reversed;
+  reversed.range = {5, 4};
+  both_throw<gradavg::option_error>(reversed, false);
+  std::vector<gradavg::variable_statistics> two(2, untouched_entry), four(4, untouched_entry);
+  both_throw<gradavg::option_error>({.per_variable = two});
+  both_throw<gradavg::option_error>({.per_variable = four});
+  for (const auto& e : two) CHECK(is_untouched(e));
+  for (const auto& e : four) CHECK(is_untouched(e));
+  // The allocating API holds whole variables: any range but the default is an error there.
+  const fused_towers<float> w(3, {5, 3, 8});
+  gradavg::options bucket;
+  bucket.range = {0, 5};
+  CHECK_THROWS_AS(gradavg::average_gradients(w.tg, bucket), gradavg::option_error);
+  bucket.range = {0, 16};
+  CHECK_THROWS_AS(gradavg::average_gradients(w.tg, bucket), gradavg::option_error);
+}
+
+TEST_CASE("the allocating API honours every option and reports the summary") {
+  const std::vector<std::size_t> sizes{3, 70, 4, 1025};
+  const std::vector<bool> absent{false, false, true, false};
+  fused_towers<float> w(6, sizes, absent, 29);
+  w.data[5][3][700] = std::numeric_limits<float>::infinity();
+  const std::vector<double> weights{1, 2, 3, 4, 5, 6};
+  gradavg::options opts;
+  opts.weights = weights;
+  opts.scale = 0.5;
+  opts.statistics = true;
+  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.samples_per_tower = 10;
+  const auto into = run_into(w, opts);
+  std::vector<gradavg::variable_statistics> entries(4, untouched_entry);
+  opts.per_variable = entries;
+  opts.include_square = true;
+  const auto result = gradavg::average_gradients(w.tg, opts);
+
+  REQUIRE(result.gradients.size() == 3);
+  REQUIRE(result.squares.size() == 3);
+  const std::size_t kept[] = {0, 1, 3};
+  for (std::size_t s = 0; s < 3; ++s) {
+    const std::size_t i = kept[s];
+    INFO("variable " << i);
+    CHECK(result.gradients[s].second == static_cast<int>(i));
+    CHECK(same_bits_all(result.gradients[s].first, into.means[i]));
+    CHECK(same_bits_all(result.squares[s].first, into.squares[i]));
+    CHECK(entries[i].nonfinite == (i == 3));
+  }
+  const auto& zeroed = result.gradients[2].first;
+  CHECK(std::count_if(zeroed.begin(), zeroed.end(), [](float x) { return std::bit_cast<std::uint32_t>(x) != 0u; }) == 0);
+  CHECK(is_untouched(entries[2]));
+  CHECK(result.report.averaged == 3);
+  CHECK(result.report.skipped == 1);
+  CHECK(result.report.nonfinite_variables == 1);
+  CHECK(result.report.towers == 6);
+  CHECK(result.report.total_samples == 60.0);
+  // Variable 3 is zeroed: its statistics are 0 and the summary holds variables 0 and 1 only.
+  const fused_run<float> as_run{{}, {}, entries, result.report};
+  require_statistics_match(as_run, w.expect(weights, 0.5), fused_tolerance<float>(6), absent, {3});
+}
+
+// ---- Threads. -----------------------------------------------------------------------------------
+
+
+TEST_CASE("bitwise identical outputs and statistics for 1, 2, 3 and 8 threads and a thread_pool") {
+  // Sizes: 8 chunks of at least 1 MiB at T = 3 (20 bytes an element) need 420,000 elements.
+  const std::vector<std::size_t> sizes{3, 100003, 17, 250001, 1, 65536, 8, 40000};
+  const std::vector<bool> absent{false, false, false, false, false, false, true, false};
+  SECTION("float, T = 3, weights, scale, detection") {
+    const fused_towers<float> w(3, sizes, absent, 31);
+    const std::vector<double> weights{3, 1, 2};
+    gradavg::options opts;
+    opts.weights = weights;
+    opts.scale = 1.0 / 3;
+    opts.statistics = true;
+    opts.on_nonfinite = gradavg::nonfinite_policy::report;
+    opts.samples_per_tower = 4;
+    require_same_for_every_thread_count(w, opts, fused_tolerance<float>(3));
+  }
+  SECTION("float, T = 17, accumulated in double") {
+    const fused_towers<float> w(17, {5, 70001, 33, 40000}, {}, 37);
+    gradavg::options opts;
+    opts.accumulate = gradavg::accumulation::double_precision;
+    opts.statistics = true;
+    opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+    require_same_for_every_thread_count(w, opts, fused_tolerance<double>(17));
+  }
+  SECTION("double, T = 33, weights") {
+    const fused_towers<double> w(33, {1, 20000, 63, 9000}, {}, 41);
+    const std::vector<double> weights = uneven_weights(33);
+    gradavg::options opts;
+    opts.weights = weights;
+    opts.scale = 4;
+    opts.statistics = true;
+    require_same_for_every_thread_count(w, opts, fused_tolerance<double>(33));
+  }
+  SECTION("a bucket of the range, T = 8") {
+    const fused_towers<float> w(8, {1000, 200000, 7}, {}, 43);
+    gradavg::options opts;
+    opts.statistics = true;
+    opts.range = {500, 180000};
+    opts.threads = 1;
+    const auto serial = run_into(w, opts);
+    require_statistics_match(serial, w.expect({}, 1.0, 500, 180000), fused_tolerance<float>(8), w.absent);
+    for (std::size_t threads : {2, 3, 8}) {
+      INFO("threads = " << threads);
+      opts.threads = threads;
+      require_same_bits(serial, run_into(w, opts));
+    }
+  }
+}
