@@ -21,9 +21,6 @@
 //                                                  float, 8 for double
 //   paired_model/<model>/float/T:<T>/threads:<n>   T in {4, 8}
 // Flags (before Google Benchmark's own): --paired_rounds=N (default 11; model points run 3N).
-#include <algorithm>
-#include <chrono>
-#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -39,6 +36,7 @@
 #include "model_shapes.hpp"
 #include "parallel.hpp"
 #include "peers.hpp"
+#include "rounds.hpp"
 #include "towers.hpp"
 
 namespace gradavg_bench {
@@ -47,99 +45,6 @@ namespace {
 /// Model points run this many times the rounds of the others: their ratio sits near 1 and is
 /// judged against 5%, finer than a dozen rounds resolve on a noisy machine.
 constexpr std::size_t model_round_factor = 3;
-
-/// One call shorter than this is repeated within a round, so that the clock's resolution and
-/// the round's fixed costs stay small against what is measured.
-constexpr double min_call_seconds = 2e-3;
-
-/// One implementation in a comparison, with its timings.
-struct contender {
-  contender(std::string name_, std::unique_ptr<runner> kernel_, double bytes_)
-      : name(std::move(name_)), kernel(std::move(kernel_)), bytes(bytes_) {}
-
-  std::string name;
-  std::unique_ptr<runner> kernel;
-  double bytes = 0;           ///< credited per call
-  std::size_t calls = 1;      ///< calls per round
-  std::vector<double> times;  ///< seconds per call, one value per round
-};
-
-/// The contenders of one comparison point. hold() keeps the storage they point into; as the
-/// base, it is destroyed after them.
-struct comparison : holder {
-  std::vector<contender> contenders;
-
-  [[nodiscard]] const contender* find(std::string_view name) const {
-    for (const contender& c : contenders)
-      if (c.name == name) return &c;
-    return nullptr;
-  }
-};
-
-double seconds_of(runner& r, std::size_t calls) {
-  const auto start = std::chrono::steady_clock::now();
-  for (std::size_t k = 0; k < calls; ++k) r.run();
-  const auto stop = std::chrono::steady_clock::now();
-  return std::chrono::duration<double>(stop - start).count();
-}
-
-/// Sets c.calls from the time of one call, made after the checking call (pages touched).
-void calibrate(contender& c) {
-  const double once = seconds_of(*c.kernel, 1);
-  c.calls = once >= min_call_seconds ? 1 : static_cast<std::size_t>(min_call_seconds / std::max(once, 1e-9)) + 1;
-}
-
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  const auto mid = v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2);
-  std::nth_element(v.begin(), mid, v.end());
-  if (v.size() % 2 == 1) return *mid;
-  return (*mid + *std::max_element(v.begin(), mid)) / 2;
-}
-
-/// Median over rounds of f(a.times[r], b.times[r]).
-template <class F>
-double median_ratio(const contender& a, const contender& b, F f) {
-  std::vector<double> r;
-  for (std::size_t i = 0; i < std::min(a.times.size(), b.times.size()); ++i) r.push_back(f(a.times[i], b.times[i]));
-  return median(r);
-}
-
-/// Median over rounds of t(a) / t(b).
-double time_ratio(const contender& a, const contender& b) {
-  return median_ratio(a, b, [](double x, double y) { return x / y; });
-}
-
-/// Median over rounds of bandwidth(a) / bandwidth(b).
-double bandwidth_ratio(const contender& a, const contender& b) {
-  return median_ratio(a, b, [&](double x, double y) { return (a.bytes / x) / (b.bytes / y); });
-}
-
-/// The rounds: every iteration of the state is one round over all contenders.
-void run_rounds(benchmark::State& state, comparison& cmp) {
-  const std::size_t n = cmp.contenders.size();
-  for (contender& c : cmp.contenders) {
-    calibrate(c);
-    c.times.reserve(static_cast<std::size_t>(state.max_iterations));
-  }
-  std::size_t round = 0;
-  for (auto _ : state) {
-    for (std::size_t i = 0; i < n; ++i) {
-      contender& c = cmp.contenders[(i + round) % n];
-      c.times.push_back(seconds_of(*c.kernel, c.calls) / static_cast<double>(c.calls));
-      benchmark::ClobberMemory();
-    }
-    ++round;
-  }
-  for (const contender& c : cmp.contenders) state.counters["GBps." + c.name] = c.bytes / median(c.times) / 1e9;
-}
-
-/// Reports an error from building (a factory that throws, a failed check) and skips.
-bool skip_on_error(benchmark::State& state, const std::string& error) {
-  if (error.empty()) return false;
-  state.SkipWithError(error.c_str());
-  return true;
-}
 
 // ---- Grid points. ---------------------------------------------------------------------------
 
@@ -151,20 +56,6 @@ std::string add_peer(comparison& cmp, const std::string& name, op what, std::spa
   const std::string full_name = std::string(op_name(what)) + "." + name;
   if (!c.error.empty()) return full_name + ": " + c.error;
   cmp.contenders.emplace_back(full_name, std::move(c.kernel), credited_bytes<S>(what, towers.size(), elements));
-  return {};
-}
-
-/// Adds the copy limits of tower 0 on a chunk_pool: ordinary and non-temporal stores.
-template <class S>
-std::string add_copies(comparison& cmp, const S* src, std::size_t elements, int threads) {
-  auto& pool = cmp.hold<chunk_pool>(threads);
-  const limits::named_copy<S> copies[] = {{"copy", &limits::copy<S>}, {"copy_nt", &limits::copy_nt<S>}};
-  for (const limits::named_copy<S>& k : copies) {
-    S* dst = cmp.hold<aligned_buffer<S>>(elements).data();
-    contender c{k.name, make_copy_runner(k, dst, src, elements, pool), 2.0 * static_cast<double>(elements) * sizeof(S)};
-    if (std::string error = run_and_check_copy(*c.kernel, k.name, dst, src, elements); !error.empty()) return error;
-    cmp.contenders.push_back(std::move(c));
-  }
   return {};
 }
 
@@ -259,21 +150,6 @@ void paired_model(benchmark::State& state, const model_shapes& m, std::size_t to
 
 // ---- Registration. --------------------------------------------------------------------------
 
-std::size_t take_rounds_flag(int& argc, char** argv) {
-  std::size_t rounds = 11;
-  constexpr std::string_view flag = "--paired_rounds=";
-  int out = 1;
-  for (int i = 1; i < argc; ++i) {
-    const std::string_view arg = argv[i];
-    if (arg.starts_with(flag))
-      rounds = static_cast<std::size_t>(std::max(1L, std::strtol(argv[i] + flag.size(), nullptr, 10)));
-    else
-      argv[out++] = argv[i];
-  }
-  argc = out;
-  return rounds;
-}
-
 template <class S>
 void register_points(const std::vector<std::size_t>& tower_counts, const std::vector<std::size_t>& sizes,
                      const std::vector<int>& thread_counts, std::size_t rounds) {
@@ -296,7 +172,7 @@ void register_points(const std::vector<std::size_t>& tower_counts, const std::ve
 
 int main(int argc, char** argv) {
   using namespace gradavg_bench;
-  const std::size_t rounds = take_rounds_flag(argc, argv);
+  const std::size_t rounds = take_count_flag(argc, argv, "--paired_rounds=", 11);
   const std::vector<int> threads = thread_counts();  // 1 and all cores
   const std::vector<std::size_t> sizes{std::size_t{1} << 16, std::size_t{1} << 24};
   register_points<float>({2, 4, 8, 16}, sizes, threads, rounds);

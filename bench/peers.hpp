@@ -4,6 +4,9 @@
 #pragma once
 
 #include <memory>
+#include <string>
+
+#include <Eigen/Core>
 
 #include "common.hpp"
 
@@ -33,6 +36,14 @@ std::unique_ptr<runner> make_stacked_tensor(const problem<S>& p);
 /// (alpha 1/T, beta 2) per tower into scratch, then a second sum (not fused). float only.
 /// Threads: oneDNN's OpenMP runtime, set with omp_set_num_threads at construction.
 std::unique_ptr<runner> make_onednn_sum(const problem<float>& p);
+
+/// The same sum over T 1-D bf16 memories into a bf16 destination (oneDNN accumulates in f32).
+/// Means only. Throws dnnl::error where oneDNN has no bf16 sum on this CPU.
+std::unique_ptr<runner> make_onednn_sum_bf16(const problem<Eigen::bfloat16>& p);
+
+/// The name of oneDNN's implementation of that bf16 sum on this CPU ("simple:any", "ref:any",
+/// ...), or empty when oneDNN has none.
+std::string onednn_bf16_sum_implementation(std::size_t towers, std::size_t elements);
 #endif
 
 #ifndef GRADAVG_BENCH_NO_GRADAVG

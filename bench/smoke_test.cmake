@@ -4,8 +4,9 @@
 #     fails calls SkipWithError; Google Benchmark 1.7 still exits 0 then, printing
 #     "ERROR OCCURRED: '...'" and "error_occurred": true in the JSON),
 #   - every implementation in IMPLS ran at every thread count that any benchmark ran at.
-# A paired benchmark (paired/..., paired_model/...) counts as the implementation named by its
-# family: it runs all its contenders and checks each against the reference before timing.
+# A paired benchmark (paired/..., paired_model/..., fused/..., fused16/...) counts as the
+# implementation named by its family: it runs all its contenders and checks each against the
+# reference before timing.
 #
 # Variables: BENCH (a benchmark executable), FILTER, MIN_TIME (seconds), JSON (where the
 # results go), IMPLS (comma-separated implementation names that must appear), optional ARGS
@@ -59,7 +60,7 @@ foreach(i RANGE ${last})
   # <family>/<type>/<impl>/.../threads:<n>[/real_time]
   string(REPLACE "/" ";" parts "${name}")
   list(GET parts 0 family)
-  if(family MATCHES "^paired")
+  if(family MATCHES "^(paired|fused)")
     set(impl "${family}")
   else()
     list(GET parts 2 impl)

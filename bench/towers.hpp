@@ -1,12 +1,17 @@
 // Tower data for the benchmark binaries: one set of towers at a time, regenerated when the
-// element type or P changes.
+// element type or P changes. 16-bit towers (Eigen::half, Eigen::bfloat16) hold the float towers'
+// values rounded to nearest.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
+#include <type_traits>
 #include <typeindex>
 #include <variant>
 #include <vector>
+
+#include <Eigen/Core>
 
 #include "common.hpp"
 
@@ -29,7 +34,7 @@ class tower_cache {
     auto& set = std::get<std::vector<aligned_buffer<S>>>(data_);
     while (set.size() < towers) {
       set.emplace_back(elements);
-      fill_uniform(set.back().span(), static_cast<std::uint32_t>(1000 + set.size()));
+      fill(set.back().span(), static_cast<std::uint32_t>(1000 + set.size()));
     }
     std::vector<const S*> out;
     for (std::size_t t = 0; t < towers; ++t) out.push_back(set[t].data());
@@ -37,10 +42,22 @@ class tower_cache {
   }
 
  private:
+  template <class S>
+  static void fill(std::span<S> out, std::uint32_t seed) {
+    if constexpr (std::is_same_v<S, float> || std::is_same_v<S, double>) {
+      fill_uniform(out, seed);
+    } else {
+      aligned_buffer<float> values(out.size());
+      fill_uniform(values.span(), seed);
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = S(values.data()[i]);
+    }
+  }
+
   std::type_index type_ = std::type_index(typeid(void));
   std::size_t elements_ = 0;
   std::variant<std::monostate, std::vector<aligned_buffer<float>>,
-               std::vector<aligned_buffer<double>>>
+               std::vector<aligned_buffer<double>>, std::vector<aligned_buffer<Eigen::half>>,
+               std::vector<aligned_buffer<Eigen::bfloat16>>>
       data_;
 };
 

@@ -18,16 +18,16 @@
 #include <charconv>
 #include <chrono>
 #include <cmath>
-#include <cstdint>
 #include <cstdio>
 #include <exception>
 #include <numbers>
 #include <optional>
-#include <random>
 #include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "random_source.hpp"
 
 namespace {
 
@@ -41,23 +41,6 @@ constexpr float momentum = 0.9f;
 constexpr float gradient_tolerance = 1e-4f;  // relative; float sums in another order differ ~1e-7
 
 // ---- Synthetic data, generated deterministically. -------------------------------------------
-
-// mt19937_64's output is fixed by the standard, the std distributions' are not: converting by
-// hand keeps the data independent of the standard library.
-class random_source {
- public:
-  explicit random_source(std::uint64_t seed) : engine_(seed) {}
-  double uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }  // [0, 1)
-  // Box-Muller: one standard normal from two uniforms.
-  float normal() {
-    const double radius = std::sqrt(-2.0 * std::log(1.0 - uniform()));
-    return static_cast<float>(radius * std::cos(2.0 * std::numbers::pi * uniform()));
-  }
-  Eigen::Index below(Eigen::Index n) { return static_cast<Eigen::Index>(engine_() % static_cast<std::uint64_t>(n)); }
-
- private:
-  std::mt19937_64 engine_;
-};
 
 struct dataset {
   Eigen::MatrixXf x;  // features x samples: one column per sample

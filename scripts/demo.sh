@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main demo, on a fresh Debian 12 machine: installs what is missing, builds the examples
-# (Release), then runs the README's program and a data-parallel training job on synthetic data
-# it generates. Extra arguments go to the training job (e.g. --towers 8 --steps 400).
+# (Release), then runs the README's program, a data-parallel training job on synthetic data it
+# generates, and a mixed-precision one (bf16 gradients, dynamic loss scaling, clipping, noise
+# scale). Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/demo"
@@ -16,3 +17,6 @@ echo "== examples/readme_main.cpp"
 echo
 echo "== examples/train_data_parallel.cpp"
 "$build/examples/train_data_parallel" "$@"
+echo
+echo "== examples/train_mixed_precision.cpp"
+"$build/examples/train_mixed_precision"
