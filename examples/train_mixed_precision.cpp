@@ -277,7 +277,7 @@ enum class overflow {
   inputs,   // a bf16 gradient element is +-Inf: the non-finite report
   sum,      // finite bf16 gradients whose float sum overflowed: the mean, and so the norm, is not finite
   squares,  // the means are fine, but the float sums of weighted squares behind the noise statistics
-            // overflowed: scaled gradients beyond about 2^60 (2^128 over the square of the weight)
+            // overflowed: unscaled gradients beyond about 2^64 over the square root of the weight
 };
 
 overflow overflow_of(const gradavg::summary& s) {

@@ -270,7 +270,7 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
   CHECK(to_half.summary.nonfinite_variables == 0);
   require_statistics_match(to_half, want, tol, h.absent);  // statistics from the float means, before rounding
 
-  // Unscaled by a loss scale of 2^16: the same values, divided after the sum.
+  // Unscaled by a loss scale of 2^16: the same values, the scale folded into each input's weight.
   opts.scale = 1.0 / 65536;
   const auto unscaled = run_into<half>(h, opts);
   require_outputs_match(unscaled.means, h.expect({}, opts.scale), false, tol);
@@ -281,10 +281,17 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
   fused_towers<bf16> b(2, {20});
   for (auto& tower : b.data)
     for (bf16& x : tower[0]) x = bf16(0x1.8p127f);
+  opts.scale = 1;
   const auto big = run_into<bf16>(b, opts);
   CHECK(big.summary.nonfinite_variables == 0);
   CHECK_FALSE(big.per_variable[0].nonfinite);
   CHECK(as_double(big.means[0][0]) == std::numeric_limits<double>::infinity());
+  // With a scale (a loss scale being undone) the inputs are scaled before they are summed: the
+  // same inputs unscaled by 2^16 do not overflow.
+  opts.scale = 1.0 / 65536;
+  const auto unscaled_big = run_into<bf16>(b, opts);
+  CHECK(as_double(unscaled_big.means[0][0]) == 0x1.8p127 / 65536);
+  CHECK(unscaled_big.summary.nonfinite_variables == 0);
 }
 
 TEST_CASE("16-bit gradients are summed in float: a scale or weight beyond float's range is an error") {

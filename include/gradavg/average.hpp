@@ -140,9 +140,10 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
     for (double w : opts.weights) weight_sum += w;
   }
   const Acc divisor = static_cast<Acc>(weight_sum);
-  const Acc scale = static_cast<Acc>(opts.scale);  // validate_options: representable
-  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), scale, scale * scale,
-                                 opts.on_nonfinite != nonfinite_policy::ignore, opts.statistics};
+  // validate_options: the scale and every weight times it are representable in Acc.
+  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), opts.scale,
+                                 static_cast<Acc>(opts.scale), opts.on_nonfinite != nonfinite_policy::ignore,
+                                 opts.statistics};
   const fused_params<Acc>* fused_ptr = fused ? &params : nullptr;
 
   std::size_t segment = split_granularity<Acc>();

@@ -4,10 +4,13 @@
 //   mean[j]   = (g_0[j] + g_1[j] + ... + g_{T-1}[j]) / T        summed in tower order
 //   square[j] = (g_0[j]^2 + ... + g_{T-1}[j]^2) / T              when square != nullptr
 // in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add).
-// Fused (fused_params given): with w_k the tower weights, W their sum and c the scale,
-//   mean[j]   = ((w_0 g_0[j] + ... + w_{T-1} g_{T-1}[j]) / W) * c
-//   square[j] = ((w_0 g_0[j] g_0[j] + ...) / W) * c^2
-// each w_k g_k[j] rounded once; with unit weights and c = 1 bitwise the plain results. The fused
+// Fused (fused_params given): with w_k the tower weights, W their sum, c the scale and
+// f_k = w_k c (computed in double, rounded once to the accumulator type),
+//   mean[j]   = (f_0 g_0[j] + ... + f_{T-1} g_{T-1}[j]) / W
+//   square[j] = (f_0 g_0[j] (c g_0[j]) + ...) / W
+// each f_k g_k[j] and c g_k[j] rounded once: the scale meets every input before any sum, so
+// loss-scaled inputs never overflow the sums (or the sums of squares) by their scaled size. With unit weights and
+// c = 1 bitwise the plain results. The fused
 // pass also reports whether any input was NaN or +-Inf and sums mean^2 and square in double.
 // Results are rounded once from the accumulator type to the output type (storage_ops). Every
 // element, tails included, is computed by the same packet operations (a tail is copied into a
@@ -90,9 +93,9 @@ constexpr std::size_t split_granularity() noexcept {
 /// Run-time values of the fused features, in the accumulator type.
 template <class Acc>
 struct fused_params {
-  const double* weights = nullptr;  // one per tower, rounded to Acc as used; null: every weight is 1
-  Acc scale = 1;
-  Acc scale_squared = 1;
+  const double* weights = nullptr;  // one per tower; null: every weight is 1
+  double scale = 1;                 // folded into every weight: f_k = w_k * scale
+  Acc scale_in_acc = 1;             // the scale, for the squares' second factor
   bool detect = false;      // the non-finite probe
   bool statistics = false;  // the sums of mean^2 and of the means of squares (squares computed)
 };
@@ -203,6 +206,8 @@ struct group_pass {
     P a[U], s[U];
     std::size_t k = 0;
     const bool detect = Fused && fused->detect;
+    P c{};  // the scale, for the squares
+    if constexpr (Fused && Squares) c = ops::broadcast(fused->scale_in_acc);
     P probe[U];  // st.probe in registers for the step
     if constexpr (Fused)
       for (std::size_t u = 0; u < U; ++u) probe[u] = st.probe[u];
@@ -221,7 +226,7 @@ struct group_pass {
         if constexpr (Fused) {
           if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           a[u] = ops::mul(x, w);
-          if constexpr (Squares) s[u] = ops::mul(a[u], x);
+          if constexpr (Squares) s[u] = ops::mul(a[u], ops::mul(x, c));
         } else {
           a[u] = x;
           if constexpr (WithSquare) s[u] = ops::mul(x, x);
@@ -240,7 +245,7 @@ struct group_pass {
           if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
           const P wx = ops::mul(x, w);
           a[u] = ops::add(a[u], wx);
-          if constexpr (Squares) s[u] = ops::mul_add(wx, x, s[u]);
+          if constexpr (Squares) s[u] = ops::mul_add(wx, ops::mul(x, c), s[u]);
         } else {
           a[u] = ops::add(a[u], x);
           if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
@@ -256,8 +261,6 @@ struct group_pass {
         P m = ops::div(a[u], d);
         P q = Squares ? ops::div(s[u], d) : P{};
         if constexpr (Fused) {
-          m = ops::mul(m, ops::broadcast(fused->scale));
-          if constexpr (Squares) q = ops::mul(q, ops::broadcast(fused->scale_squared));
         }
         m = ops::canonical_nan(m);
         if constexpr (Squares) q = ops::canonical_nan(q);
@@ -336,7 +339,7 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
   auto set_weights = [&](std::size_t first, std::size_t count) {
     if constexpr (Fused)
       for (std::size_t k = 0; k < count; ++k)
-        weights[k] = fused->weights ? static_cast<Acc>(fused->weights[first + k]) : Acc{1};
+        weights[k] = static_cast<Acc>((fused->weights ? fused->weights[first + k] : 1.0) * fused->scale);
   };
 
   if (tower_count <= group_towers) {

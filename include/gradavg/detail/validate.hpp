@@ -396,6 +396,11 @@ inline void validate_options(const options& opts, std::size_t towers, std::size_
   if (!std::isfinite(opts.scale) || std::abs(opts.scale) > accumulator_max)
     throw option_error("gradavg: options.scale is " + describe_number(opts.scale) +
                        "; it must be finite (in the accumulator type)");
+  // The scale is folded into every tower's weight: each product must stay finite there too.
+  for (std::size_t k = 0; k < opts.weights.size(); ++k)
+    if (std::abs(opts.weights[k] * opts.scale) > accumulator_max)
+      throw weight_error("gradavg: options.weights: the weight of tower " + std::to_string(k) + " times options.scale is " +
+                         describe_number(opts.weights[k] * opts.scale) + ", beyond the accumulator type's range");
   if (!std::isfinite(opts.samples_per_tower) || opts.samples_per_tower < 0)
     throw option_error("gradavg: options.samples_per_tower is " + describe_number(opts.samples_per_tower) +
                        "; it must be finite and >= 0 (0: unknown)");
