@@ -78,9 +78,10 @@ stage_tsan() {
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=thread -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
-  build "$root/tsan" test_threads test_thread_failures
+  # test_fused: the fused step's per-segment records and its merge after the join.
+  build "$root/tsan" test_threads test_thread_failures test_fused
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures):"
+    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures|test_fused):"
 }
 
 stage_arm() {
