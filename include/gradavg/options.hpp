@@ -107,7 +107,7 @@ struct options {
   /// tower k's count is taken as proportional to w_k. 0: unknown (noise estimate left NaN).
   double samples_per_tower = 0;
 
-  /// Per-variable results: empty, or exactly one per variable (output_error), written for every
+  /// Per-variable results: empty, or exactly one per variable (option_error), written for every
   /// averaged variable (statistics when statistics is set, nonfinite when detection is on).
   /// Not owned.
   std::span<variable_statistics> per_variable = {};
