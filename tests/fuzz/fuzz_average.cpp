@@ -673,9 +673,14 @@ class model {
   }
 
   /// Invalid options: weights (weight_error; naming the tower when one weight is wrong),
-  /// scale, samples_per_tower, range, per_variable (option_error).
+  /// scale, samples_per_tower, range, per_variable (option_error). Weights, their sum and the
+  /// scale must be finite in the accumulator type (double for double gradients and for float
+  /// ones with accumulation::double_precision, else float), the sum a normal number there.
   void option_stage(std::vector<problem>& out, bool allocating) const {
     const fused_desc& f = c_.fused;
+    const bool double_acc = c_.is_double || f.double_precision;
+    const double acc_max = double_acc ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+    const double acc_min = double_acc ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
     if (!f.weights.empty()) {
       if (f.weights.size() != c_.towers) {
         out.push_back({fault::weight, npos, npos});
@@ -684,16 +689,16 @@ class model {
         double sum = 0;  // in tower order
         for (std::size_t k = 0; k < c_.towers; ++k) {
           const double w = f.weights[k];
-          if (!std::isfinite(w) || w < 0) {
+          if (!std::isfinite(w) || w < 0 || w > acc_max) {
             out.push_back({fault::weight, npos, npos, k});
             bad = true;
           }
           sum += w;
         }
-        if (!bad && !(sum > 0 && std::isfinite(sum))) out.push_back({fault::weight, npos, npos});
+        if (!bad && !(sum >= acc_min && sum <= acc_max)) out.push_back({fault::weight, npos, npos});
       }
     }
-    if (!std::isfinite(f.scale)) out.push_back({fault::option, npos, npos});
+    if (!std::isfinite(f.scale) || std::fabs(f.scale) > acc_max) out.push_back({fault::option, npos, npos});
     if (!std::isfinite(f.samples_per_tower) || f.samples_per_tower < 0) out.push_back({fault::option, npos, npos});
     if (f.range_begin > f.range_end || (allocating && !f.default_range())) out.push_back({fault::option, npos, npos});
     if (f.per_variable && f.per_variable_count != 0 && f.per_variable_count != v() &&
@@ -864,9 +869,11 @@ struct fused_params {
   long double acc_epsilon = 0, acc_denorm = 0, acc_max = 0;  // unit roundoff, smallest denormal, largest finite
   long double out_epsilon = 0, out_denorm = 0, out_max = 0;
   bool out_is_acc = true;
-  /// A weight, the weight sum, the scale or its square outside Acc's finite normal range: the
-  /// contract's formula computed in Acc would divide by 0 or multiply by infinity where the
-  /// exact result is finite. What the results must be is left open (values unchecked).
+  /// The square of the scale past Acc's largest finite value (the scale itself, the weights and
+  /// their sum are validated to be finite there): the means of squares computed in Acc would
+  /// multiply by infinity where the exact result is finite (0 * inf = NaN for a zero gradient).
+  /// What the results must be is left open (values unchecked). Also set for weights or sums
+  /// that validation rejects, so that a model of a wrong success never checks against them.
   bool unrepresentable = false;
 };
 
