@@ -18,6 +18,8 @@
 # per step) instead of -march=native, in ${GRADAVG_BUILD_ROOT:-build}/fuzz-baseline: some kernel
 # paths differ by packet width (a reload offset within a step is invisible with one 64-byte
 # packet per step), so fuzz both.
+# GRADAVG_FUZZ_TOLERATE=name,... lets known, reported deviations of the library pass (their
+# names are in fuzz_average.cpp, where each is checked), so that a long run looks for others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 native="${GRADAVG_FUZZ_NATIVE:-ON}"

@@ -7,6 +7,14 @@
 //   - or success with mean = (sum over towers in tower order, in the element type) / T bitwise
 //     (any NaN equals any NaN), squares = (g_0² + fma-or-not g_1² + ...) / T rounded one way for
 //     the whole call, every other byte of the arena unchanged, and the counts and skipped list right.
+// The fused step's options are decoded too (weights, scale, on_nonfinite with NaN and infinities
+// planted in the inputs, statistics, per_variable, element ranges, double accumulation, and
+// outputs that are flat views of their gradient): with unit weights and scale 1 the results are
+// still checked bitwise (summed in double and rounded once to float with double accumulation);
+// otherwise against a long double reference within an error bound stated in bound_element. The
+// non-finite flags and counts must be exact, the statistics within the rounding of a double sum
+// of the results, elements outside the range untouched, and after an error the arena and
+// per_variable unchanged.
 // Build: tests/fuzz/CMakeLists.txt (GRADAVG_BUILD_FUZZ, Clang); run: scripts/fuzz.sh.
 #include <gradavg/gradavg.hpp>
 
@@ -131,6 +139,25 @@ struct slot_desc {
 
 enum class alias_mode : std::uint8_t { unset, same_variable, all, none };
 
+/// The options of the fused training step (all at their defaults unless decoded otherwise).
+struct fused_desc {
+  std::vector<double> weights;  // empty: none
+  double scale = 1.0;
+  gradavg::nonfinite_policy on_nonfinite = gradavg::nonfinite_policy::ignore;
+  bool statistics = false;
+  double samples_per_tower = 0;
+  bool per_variable = false;
+  std::size_t per_variable_count = 0;
+  bool per_variable_flag = false;  // what every per_variable entry's nonfinite holds before a call
+  std::size_t range_begin = 0, range_end = gradavg::element_range{}.end;
+  bool double_precision = false;
+  int planted = 0;  // NaN and infinities planted at random arena elements
+
+  [[nodiscard]] bool default_range() const {
+    return range_begin == gradavg::element_range{}.begin && range_end == gradavg::element_range{}.end;
+  }
+};
+
 struct case_desc {
   bool is_double = false;
   bool pointer_slots = false;  // raw pointers instead of std::optional
@@ -145,6 +172,7 @@ struct case_desc {
   int value_mode = 0;
   std::uint64_t seed = 0;
   std::size_t arena_size = 0;  // in elements
+  fused_desc fused;
 
   [[nodiscard]] std::size_t variables() const { return towers == 0 ? means.size() : grads[0].size(); }
 };
@@ -161,6 +189,18 @@ std::string describe(const case_desc& c) {
          : c.aliasing == alias_mode::all           ? "all"
                                                    : "none")
      << "\n";
+  const fused_desc& f = c.fused;
+  os << "  fused: accumulate " << (f.double_precision ? "double" : "native") << ", weights";
+  if (f.weights.empty()) os << " none";
+  for (double w : f.weights) os << " " << w;
+  os << ", scale " << f.scale << ", on_nonfinite "
+     << (f.on_nonfinite == gradavg::nonfinite_policy::ignore   ? "ignore"
+         : f.on_nonfinite == gradavg::nonfinite_policy::report ? "report"
+                                                               : "zero")
+     << (f.statistics ? ", statistics" : "") << ", samples_per_tower " << f.samples_per_tower;
+  if (f.per_variable) os << ", per_variable " << f.per_variable_count << (f.per_variable_flag ? " (true)" : " (false)");
+  if (!f.default_range()) os << ", range [" << f.range_begin << ", " << f.range_end << ")";
+  os << ", planted " << f.planted << "\n";
   auto slot = [&](const slot_desc& s) {
     if (!s.present) return std::string("null");
     return describe(s.shape) + "@" + std::to_string(s.offset) + (s.strided ? " strided" : "");
@@ -334,11 +374,80 @@ class decoder {
     decode_outputs(c, c.means);
     if (c.pass_squares) decode_outputs(c, c.squares);
     c.arena_size = std::max(cursor_, end_);
+    decode_fused(c);
     return c;
   }
 
  private:
   std::uint8_t byte() { return in_.ConsumeIntegral<std::uint8_t>(); }
+
+  /// The fused step's options, read last so that inputs written before them decode as before
+  /// (a first byte of 0: every option at its default).
+  void decode_fused(case_desc& c) {
+    const std::uint8_t flags = byte();
+    if (flags == 0) return;
+    fused_desc& f = c.fused;
+    f.double_precision = (flags & 128) != 0;
+    if (flags & 1) {  // weights: one per tower, or the wrong count; all 1 (bitwise the unweighted results)
+      const std::uint8_t wb = byte();
+      std::size_t n = c.towers;
+      if (wb % 8 == 7) n = c.towers >= 2 && (wb & 8) ? c.towers - 1 : c.towers + 1;
+      for (std::size_t k = 0; k < n; ++k) f.weights.push_back(wb % 8 == 6 ? 1.0 : weight());
+    }
+    if (flags & 2) f.scale = scale();
+    f.on_nonfinite = (flags >> 2) % 4 == 2 ? gradavg::nonfinite_policy::zero
+                     : (flags >> 2) % 4 == 0 ? gradavg::nonfinite_policy::ignore
+                                             : gradavg::nonfinite_policy::report;
+    if (flags & 16) {
+      f.statistics = true;
+      constexpr double samples[] = {0, 32, 217.5, 1, -1, std::numeric_limits<double>::quiet_NaN(),
+                                    std::numeric_limits<double>::infinity(), 1e-3};
+      f.samples_per_tower = samples[byte() % 8];
+    }
+    if (flags & 32) {  // one per variable, or one more or fewer
+      const std::uint8_t pb = byte();
+      const std::size_t v = c.variables();
+      f.per_variable = true;
+      f.per_variable_count = pb % 8 == 7 || (pb % 8 == 6 && v < 2) ? v + 1 : pb % 8 == 6 ? v - 1 : v;
+      f.per_variable_flag = (pb & 8) != 0;
+    }
+    if (flags & 64) {  // partial ranges around the flat total, begin > end now and then
+      std::size_t total = 0;
+      if (c.towers > 0)
+        for (const slot_desc& g : c.grads[0]) total += g.count();
+      const std::uint8_t rb = byte();
+      const std::size_t span = total + 3;
+      f.range_begin = (rb & 3) == 0 ? 0 : in_.ConsumeIntegral<std::uint32_t>() % span;
+      switch ((rb >> 2) % 4) {
+        case 0: break;
+        case 1: f.range_end = f.range_begin + in_.ConsumeIntegral<std::uint8_t>() % 80; break;
+        case 2: f.range_end = in_.ConsumeIntegral<std::uint32_t>() % span; break;
+        default: f.range_end = total; break;
+      }
+    }
+    const std::uint8_t planted = byte();
+    f.planted = planted % 4 == 0 ? 0 : 1 + (planted >> 2) % 6;
+  }
+
+  /// A tower weight: mostly valid (zero too), now and then negative, NaN, infinite, or outside
+  /// float's range.
+  double weight() {
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    constexpr double palette[] = {1, 2, 0.5, 0, 3, 0.25, 1.5, 10, 0.1, 1.0 / 3, 1e-3, 100, -0.0, 7, 1e-30, 1e30,
+                                  -1, std::numeric_limits<double>::quiet_NaN(), inf, -inf,
+                                  std::numeric_limits<double>::max(), 1e-300,
+                                  std::numeric_limits<double>::denorm_min(), 1e39};
+    const std::uint8_t b = byte();
+    if (b % 32 >= std::size(palette)) return static_cast<double>(byte()) / 16;  // 0 .. 16 in 1/16 steps
+    return palette[b % 32];
+  }
+
+  double scale() {
+    constexpr double inf = std::numeric_limits<double>::infinity();
+    constexpr double palette[] = {0.5, 2, 1.0 / 1024, 0x1p-16, 0, -1, 0.1, 3, 1e-30, 1e30, 65536, -0.5,
+                                  std::numeric_limits<double>::quiet_NaN(), inf, -inf, 1};
+    return palette[byte() % 16];
+  }
 
   /// 0 half the time, else -4..4 elements.
   int shift() {
@@ -414,7 +523,7 @@ class decoder {
 
 // ---- The model: what the contract allows for a case. ---------------------------------------
 
-enum class fault { tower, variable_mismatch, missing_gradient, shape, output, aliasing, other };
+enum class fault { tower, variable_mismatch, missing_gradient, shape, output, aliasing, weight, option, other };
 
 const char* name(fault f) {
   switch (f) {
@@ -424,16 +533,29 @@ const char* name(fault f) {
     case fault::shape: return "shape_error";
     case fault::output: return "output_error";
     case fault::aliasing: return "aliasing_error";
+    case fault::weight: return "weight_error";
+    case fault::option: return "option_error";
     default: return "another exception";
   }
 }
 
 /// One thing wrong: the error class it raises, and the variable index (or indices, for an
 /// overlap between two variables' buffers) the error may report; npos when about no variable.
+/// A weight of one tower that is wrong: the tower the message must name.
 struct problem {
   fault kind;
   std::size_t index, other_index;
+  std::size_t tower = npos;
 };
+
+/// At most one dimension above 1: the element order does not depend on the storage order.
+bool flat(const dims& d) { return d.rank == 1 || (d.d0 > 1 ? 1 : 0) + (d.d1 > 1 ? 1 : 0) <= 1; }
+
+/// The contract's rule for outputs: the gradient's shape, or the same element count when either
+/// of the two is flat.
+bool output_fits(const dims& output, const dims& gradient) {
+  return same_shape(output, gradient) || (output.size() == gradient.size() && (flat(output) || flat(gradient)));
+}
 
 /// What one call may do: throw one of `errors`, or succeed when success_allowed; with
 /// success_checked the results must then match the reference.
@@ -453,6 +575,9 @@ struct expectation {
 ///   3. outputs (into): count, null or misshapen or strided output of an averaged variable,
 ///      include_square without squares                                      output_error
 ///   4. overlaps (into), as options.aliasing says                           aliasing_error
+/// Invalid options of the fused step (weights, scale, samples_per_tower, range, per_variable)
+/// belong to no stage: the contract leaves their order against the others open, so either may
+/// be reported, and the call never succeeds.
 /// Outputs of skipped variables are never read, written or checked (null or any shape is fine);
 /// whether the overlap check looks at them is left open: either outcome is accepted.
 class model {
@@ -488,7 +613,7 @@ class model {
       for (std::size_t i = 0; i < std::min(v(), outs.size()); ++i) {
         if (skipped(i)) continue;
         const slot_desc& o = outs[i];
-        if (!o.present || !same_shape(o.shape, c_.grads[0][i].shape) || o.strided) out.push_back({fault::output, i, i});
+        if (!o.present || !output_fits(o.shape, c_.grads[0][i].shape) || o.strided) out.push_back({fault::output, i, i});
       }
     };
     check(c_.means);
@@ -547,8 +672,68 @@ class model {
     return r;
   }
 
+  /// Invalid options: weights (weight_error; naming the tower when one weight is wrong),
+  /// scale, samples_per_tower, range, per_variable (option_error). Weights, their sum and the
+  /// scale must be finite in the accumulator type (double for double gradients and for float
+  /// ones with accumulation::double_precision, else float), the sum a normal number there.
+  void option_stage(std::vector<problem>& out, bool allocating) const {
+    const fused_desc& f = c_.fused;
+    const bool double_acc = c_.is_double || f.double_precision;
+    const double acc_max = double_acc ? std::numeric_limits<double>::max() : std::numeric_limits<float>::max();
+    const double acc_min = double_acc ? std::numeric_limits<double>::min() : std::numeric_limits<float>::min();
+    if (!f.weights.empty()) {
+      if (f.weights.size() != c_.towers) {
+        out.push_back({fault::weight, npos, npos});
+      } else {
+        bool bad = false;
+        double sum = 0;  // in tower order
+        for (std::size_t k = 0; k < c_.towers; ++k) {
+          const double w = f.weights[k];
+          if (!std::isfinite(w) || w < 0 || w > acc_max) {
+            out.push_back({fault::weight, npos, npos, k});
+            bad = true;
+          }
+          sum += w;
+        }
+        if (!bad && !(sum >= acc_min && sum <= acc_max)) out.push_back({fault::weight, npos, npos});
+      }
+    }
+    if (!std::isfinite(f.scale) || std::fabs(f.scale) > acc_max) out.push_back({fault::option, npos, npos});
+    if (!std::isfinite(f.samples_per_tower) || f.samples_per_tower < 0) out.push_back({fault::option, npos, npos});
+    if (f.range_begin > f.range_end || (allocating && !f.default_range())) out.push_back({fault::option, npos, npos});
+    if (f.per_variable && f.per_variable_count != 0 && f.per_variable_count != v() &&
+        c_.towers > 0 && std::all_of(c_.grads.begin(), c_.grads.end(), [&](const auto& t) { return t.size() == v(); }))
+      out.push_back({fault::option, npos, npos});
+  }
+
   /// The expectation for average_gradients_into.
   [[nodiscard]] expectation into() const {
+    expectation e = into_ignoring_options();
+    with_options(e, false);
+    return e;
+  }
+
+  /// The expectation for average_gradients (no outputs to check).
+  [[nodiscard]] expectation allocating() const {
+    expectation e;
+    if (!tower_stage(e.errors) && !input_stage(e.errors)) e.success_allowed = e.success_checked = true;
+    with_options(e, true);
+    return e;
+  }
+
+  [[nodiscard]] std::size_t v() const { return c_.variables(); }
+  [[nodiscard]] bool skipped(std::size_t i) const { return !c_.grads[0][i].present; }
+
+ private:
+  void with_options(expectation& e, bool allocating) const {
+    std::vector<problem> options;
+    option_stage(options, allocating);
+    if (options.empty()) return;
+    e.errors.insert(e.errors.end(), options.begin(), options.end());
+    e.success_allowed = e.success_checked = false;
+  }
+
+  [[nodiscard]] expectation into_ignoring_options() const {
     expectation e;
     if (tower_stage(e.errors) || input_stage(e.errors)) return e;
     // alias_check::none is only given layouts without forbidden overlaps: others get `all`.
@@ -578,18 +763,6 @@ class model {
     return e;
   }
 
-  /// The expectation for average_gradients (no outputs to check).
-  [[nodiscard]] expectation allocating() const {
-    expectation e;
-    if (tower_stage(e.errors) || input_stage(e.errors)) return e;
-    e.success_allowed = e.success_checked = true;
-    return e;
-  }
-
-  [[nodiscard]] std::size_t v() const { return c_.variables(); }
-  [[nodiscard]] bool skipped(std::size_t i) const { return !c_.grads[0][i].present; }
-
- private:
   const case_desc& c_;
 };
 
@@ -641,37 +814,200 @@ GRADAVG_FUZZ_UNTRACED bool same_value(S got, S want) {
   return (std::isnan(got) && std::isnan(want)) || std::memcmp(&got, &want, sizeof(S)) == 0;
 }
 
-/// Reference of one element over T towers: mean, and the mean of squares with every product
-/// but the first fused into its sum, and with none fused.
+/// Reference of one element over T towers, summed in Acc (S, or double for float with
+/// accumulation::double_precision) and rounded once to S: mean, and the mean of squares with
+/// every product but the first fused into its sum, and with none fused. The contract's results
+/// without weights (or with unit weights) and with scale 1.
 template <class S>
 struct reference_element {
   S mean, fused, unfused;
 };
 
-template <class S>
+template <class S, class Acc>
 GRADAVG_FUZZ_UNTRACED std::vector<reference_element<S>> reference(const S* arena,
                                                                 const std::vector<std::size_t>& offsets,
                                                                 std::size_t n) {
 #pragma STDC FP_CONTRACT OFF
   std::vector<reference_element<S>> r(n);
-  const S t = static_cast<S>(offsets.size());
+  const Acc t = static_cast<Acc>(offsets.size());
   for (std::size_t j = 0; j < n; ++j) {
-    S a = arena[offsets[0] + j];
-    S fused = a * a;
-    S unfused = fused;
+    Acc a = static_cast<Acc>(arena[offsets[0] + j]);
+    Acc fused = a * a;
+    Acc unfused = fused;
     for (std::size_t k = 1; k < offsets.size(); ++k) {
-      const S x = arena[offsets[k] + j];
+      const Acc x = static_cast<Acc>(arena[offsets[k] + j]);
       a = a + x;
       fused = std::fma(x, x, fused);
-      const S product = x * x;
+      const Acc product = x * x;
       unfused = unfused + product;
     }
-    r[j] = {a / t, fused / t, unfused / t};
+    r[j] = {static_cast<S>(a / t), static_cast<S>(fused / t), static_cast<S>(unfused / t)};
   }
   return r;
 }
 
+/// A result of the fused step as the contract bounds it: the value in long double (which gives
+/// the IEEE outcome, NaN or an infinity, where an input is not finite), within tol of the
+/// result; may_overflow: an intermediate of finite inputs may pass the largest finite value of
+/// the accumulator or output type, so any non-finite result is allowed too.
+struct bounded {
+  long double value = 0, tol = 0;
+  bool may_overflow = false;
+};
+
+struct bounded_element {
+  bounded mean, square;
+};
+
+/// The floating-point facts of the fused step's model for one call: accumulator type Acc,
+/// output type O, weights (empty: 1 each), W their sum, scale c.
+struct fused_params {
+  std::size_t towers = 0;
+  std::vector<long double> weights;  // as rounded to Acc
+  long double weight_sum = 0;        // exact
+  long double scale = 1, scale_squared = 1;  // as rounded to Acc
+  long double acc_epsilon = 0, acc_denorm = 0, acc_max = 0;  // unit roundoff, smallest denormal, largest finite
+  long double out_epsilon = 0, out_denorm = 0, out_max = 0;
+  bool out_is_acc = true;
+  /// The square of the scale past Acc's largest finite value (the scale itself, the weights and
+  /// their sum are validated to be finite there): the means of squares computed in Acc would
+  /// multiply by infinity where the exact result is finite (0 * inf = NaN for a zero gradient).
+  /// What the results must be is left open (values unchecked). Also set for weights or sums
+  /// that validation rejects, so that a model of a wrong success never checks against them.
+  bool unrepresentable = false;
+};
+
+template <class Acc, class O>
+fused_params make_params(const fused_desc& f, std::size_t towers) {
+  fused_params p;
+  p.towers = towers;
+  for (std::size_t k = 0; k < towers; ++k) {
+    const double w = f.weights.size() == towers ? f.weights[k] : 1.0;
+    p.weights.push_back(static_cast<Acc>(w));
+    p.weight_sum += w;
+    if (w > std::numeric_limits<Acc>::max()) p.unrepresentable = true;
+  }
+  p.scale = static_cast<Acc>(f.scale);
+  p.scale_squared = static_cast<Acc>(f.scale * f.scale);
+  using acc = std::numeric_limits<Acc>;
+  using out = std::numeric_limits<O>;
+  p.acc_epsilon = acc::epsilon() / 2;
+  p.acc_denorm = acc::denorm_min();
+  p.acc_max = acc::max();
+  p.out_epsilon = out::epsilon() / 2;
+  p.out_denorm = out::denorm_min();
+  p.out_max = out::max();
+  p.out_is_acc = std::is_same_v<Acc, O>;
+  p.unrepresentable = p.unrepresentable || p.weight_sum < acc::min() || p.weight_sum > acc::max() ||
+                      std::isinf(p.scale) || std::isinf(p.scale_squared);
+  return p;
+}
+
+/// Bounds of one element: mean = (sum_k w_k x_k / W) c, square = (sum_k w_k x_k^2 / W) c^2.
+/// Error model: each of the T products, T - 1 sums, the division, the scaling and the rounding
+/// of weights, W and c to Acc errs by at most one unit roundoff of its result (and one smallest
+/// denormal where it underflows); the bound allows twice that.
+template <class S>
+GRADAVG_FUZZ_UNTRACED bounded_element bound_element(const S* arena, const std::vector<std::size_t>& offsets, std::size_t j,
+                                                  const fused_params& p) {
+  long double a = 0, s = 0, abs_a = 0, abs_s = 0, extra_a = 0, extra_s = 0, max_product = 0;
+  for (std::size_t k = 0; k < offsets.size(); ++k) {
+    const long double x = arena[offsets[k] + j];
+    const long double wx = p.weights[k] * x;
+    a += wx;
+    s += wx * x;
+    if (!std::isfinite(x)) continue;
+    abs_a += std::fabs(wx);
+    abs_s += std::fabs(wx * x);
+    max_product = std::max(max_product, std::fabs(wx));
+    extra_a += 1 + std::fabs(x);
+    extra_s += 1 + std::fabs(x) + x * x;
+  }
+  const long double w = p.weight_sum;
+  const long double c = std::fabs(p.scale), c2 = p.scale_squared;
+  const long double rel = (2.0L * static_cast<long double>(offsets.size()) + 16) * p.acc_epsilon;
+  auto big = [&](long double v, long double limit) { return v * (1 + rel) >= limit; };
+  bounded_element e;
+  e.mean.value = a / w * p.scale;
+  e.square.value = s / w * c2;
+  const long double bm = abs_a / w * c, bq = abs_s / w * c2;
+  // Underflow: each product and the weights' rounding (scaled by c / W), the division (scaled
+  // by c), the rounding of c (scaled by the quotient) and the scaling itself.
+  e.mean.tol = rel * bm + p.acc_denorm * (c / w * extra_a + c + abs_a / w + 2);
+  e.square.tol = rel * bq + p.acc_denorm * (c2 / w * extra_s + c2 + abs_s / w + 2);
+  e.mean.may_overflow = big(max_product, p.acc_max) || big(abs_a, p.acc_max) || big(abs_a / w, p.acc_max) ||
+                        big(bm, p.acc_max) || big(bm, p.out_max);
+  e.square.may_overflow = big(max_product, p.acc_max) || big(abs_s, p.acc_max) || big(abs_s / w, p.acc_max) ||
+                          big(bq, p.acc_max) || big(bq, p.out_max);
+  if (!p.out_is_acc) {  // rounded once more, to O
+    e.mean.tol += p.out_epsilon * std::fabs(e.mean.value) * (1 + rel) + p.out_denorm;
+    e.square.tol += p.out_epsilon * std::fabs(e.square.value) * (1 + rel) + p.out_denorm;
+  }
+  return e;
+}
+
+/// Whether got is a result the bounds allow.
+GRADAVG_FUZZ_UNTRACED inline bool within(long double got, const bounded& b) {
+  if (std::isnan(b.value)) return std::isnan(got);  // a NaN input, inf - inf or 0 * inf: NaN whatever else overflows
+  if (std::isinf(b.value)) return got == b.value || (b.may_overflow && !std::isfinite(got));
+  if (std::isfinite(got) && std::fabs(got - b.value) <= b.tol) return true;
+  return b.may_overflow && !std::isfinite(got);
+}
+
+/// A sum of the statistics as the model knows it: a sum of terms, each exact or within a
+/// tolerance, or unknown (then the sum is not checked).
+struct statistic_sum {
+  long double value = 0, tol = 0, magnitude = 0;
+  std::size_t terms = 0;
+  bool nan = false, inf = false, unknown = false;
+
+  void add(long double term, long double term_tol) {
+    ++terms;
+    if (std::isnan(term)) nan = true;
+    else if (std::isinf(term)) inf = true;
+    else {
+      value += term;
+      tol += term_tol;
+      magnitude += std::fabs(term);
+    }
+  }
+
+  /// The library's sum, in double in any order: NaN when a term is, +inf when a term is (the
+  /// terms are never negative), else within the summation's rounding of the reference (or +inf
+  /// past the largest double).
+  [[nodiscard]] bool matches(double got) const {
+    if (unknown) return true;
+    if (nan) return std::isnan(got);
+    if (inf) return got == std::numeric_limits<double>::infinity();
+    const long double limit = tol + (static_cast<long double>(terms) + 8) * 0x1p-52L * magnitude +
+                              (static_cast<long double>(terms) + 1) * 2 * std::numeric_limits<double>::denorm_min();
+    if (value + limit >= std::numeric_limits<double>::max() && got == std::numeric_limits<double>::infinity()) return true;
+    return std::isfinite(got) && std::fabs(static_cast<long double>(got) - value) <= limit;
+  }
+
+  [[nodiscard]] std::string describe() const {
+    if (unknown) return "unknown";
+    if (nan) return "NaN";
+    if (inf) return "+inf";
+    std::ostringstream os;
+    os.precision(17);
+    os << static_cast<double>(value) << " +- " << static_cast<double>(tol + (terms + 8) * 0x1p-52L * magnitude);
+    return os.str();
+  }
+};
+
 // ---- Running a case. ------------------------------------------------------------------------
+
+/// Known deviations of the library from the contract, named in GRADAVG_FUZZ_TOLERATE (comma
+/// separated), are not reported: so that a long run can look for others while a reported one
+/// is being fixed. Each name is checked where its deviation would be reported. Off by default.
+bool tolerated(const char* deviation) {
+  static const std::string list = [] {
+    const char* v = std::getenv("GRADAVG_FUZZ_TOLERATE");
+    return "," + std::string(v ? v : "") + ",";
+  }();
+  return list.find("," + std::string(deviation) + ",") != std::string::npos;
+}
 
 [[noreturn]] void fail(const case_desc& c, const std::string& what) {
   std::fprintf(stderr, "\n==== gradavg contract violation: %s\n  case: %s\n", what.c_str(), describe(c).c_str());
@@ -707,6 +1043,10 @@ std::optional<thrown> outcome_of(F&& f) {
     return thrown{fault::output, e.variable_index(), e.what()};
   } catch (const gradavg::aliasing_error& e) {
     return thrown{fault::aliasing, e.variable_index(), e.what()};
+  } catch (const gradavg::weight_error& e) {  // before option_error, its base
+    return thrown{fault::weight, e.variable_index(), e.what()};
+  } catch (const gradavg::option_error& e) {
+    return thrown{fault::option, e.variable_index(), e.what()};
   } catch (const std::exception& e) {
     return thrown{fault::other, npos, e.what()};
   }
@@ -718,8 +1058,19 @@ std::string list(const std::vector<problem>& ps) {
     s += std::string(s.empty() ? "" : ", ") + name(p.kind);
     if (p.index != npos) s += " #" + std::to_string(p.index);
     if (p.other_index != p.index) s += "/#" + std::to_string(p.other_index);
+    if (p.tower != npos) s += " (naming tower " + std::to_string(p.tower) + ")";
   }
   return s.empty() ? "nothing" : s;
+}
+
+/// Whether a message names "tower k" (not "tower k0").
+bool names_tower(const std::string& what, std::size_t k) {
+  const std::string name = "tower " + std::to_string(k);
+  for (std::size_t at = what.find(name); at != std::string::npos; at = what.find(name, at + 1)) {
+    const std::size_t after = at + name.size();
+    if (after == what.size() || what[after] < '0' || what[after] > '9') return true;
+  }
+  return false;
 }
 
 /// Checks an outcome against an expectation; true when the call succeeded (results to check).
@@ -734,7 +1085,8 @@ bool check_outcome(const case_desc& c, const char* api, const std::optional<thro
     return true;
   }
   const bool known = std::any_of(e.errors.begin(), e.errors.end(), [&](const problem& p) {
-    return p.kind == t->kind && (t->index == p.index || t->index == p.other_index);
+    return p.kind == t->kind && (t->index == p.index || t->index == p.other_index) &&
+           (p.tower == npos || names_tower(t->what, p.tower));
   });
   if (!known)
     fail(c, std::string(api) + " threw " + name(t->kind) + " (variable_index " +
@@ -772,7 +1124,31 @@ class runner {
     arena_ = static_cast<S*>(::operator new(n * sizeof(S), std::align_val_t{64}));
     rng r{c.seed};
     for (std::size_t j = 0; j < c.arena_size; ++j) arena_[j] = value<S>(r, c.value_mode);
+    rng planting{c.seed ^ 0x6A09E667F3BCC909ull};
+    const S specials[] = {std::numeric_limits<S>::quiet_NaN(), -std::numeric_limits<S>::quiet_NaN(),
+                          std::numeric_limits<S>::infinity(), -std::numeric_limits<S>::infinity()};
+    for (int p = 0; p < c.fused.planted && c.arena_size > 0; ++p) {
+      const std::size_t at = planting.next() % c.arena_size;
+      arena_[at] = specials[planting.next() % 4];
+    }
     before_.assign(arena_, arena_ + c.arena_size);
+
+    const fused_desc& f = c.fused;
+    double_accumulation_ = std::is_same_v<S, float> && f.double_precision;
+    params_ = double_accumulation_ ? make_params<double, S>(f, c.towers) : make_params<S, S>(f, c.towers);
+    unit_ = f.scale == 1.0 && std::all_of(f.weights.begin(), f.weights.end(), [](double w) { return w == 1.0; });
+    zero_ = f.on_nonfinite == gradavg::nonfinite_policy::zero;
+    detect_ = f.on_nonfinite != gradavg::nonfinite_policy::ignore;
+
+    // The flat range: variables in order, each with its tower-0 gradient's count.
+    std::size_t total = 0;
+    for (std::size_t i = 0; i < model_.v() && c.towers > 0; ++i) {
+      flat_.push_back(total);
+      total += c.grads[0][i].count();
+    }
+    range_begin_ = std::min(f.range_begin, total);
+    range_end_ = std::min(f.range_end, total);
+    whole_range_ = range_begin_ == 0 && range_end_ == total;
   }
   runner(const runner&) = delete;
   runner& operator=(const runner&) = delete;
@@ -797,21 +1173,34 @@ class runner {
     for (const slot_desc& s : c_.squares) sviews.push_back(view_of(s));
     std::vector<oslot> means = slots(c_.means, mviews), squares = slots(c_.squares, sviews);
 
+    const fused_desc& f = c_.fused;
     gradavg::options opts;
     opts.include_square = c_.include_square;
     opts.threads = c_.threads;
     opts.streaming_stores = c_.streaming;
     opts.pool = c_.use_pool ? &shared_pool() : nullptr;
+    opts.accumulate = f.double_precision ? gradavg::accumulation::double_precision : gradavg::accumulation::native;
+    opts.weights = f.weights;
+    opts.scale = f.scale;
+    opts.on_nonfinite = f.on_nonfinite;
+    opts.statistics = f.statistics;
+    opts.samples_per_tower = f.samples_per_tower;
+    per_variable_.resize(f.per_variable ? f.per_variable_count : 0);
+    opts.per_variable = per_variable_;
+    opts.range = {f.range_begin, f.range_end};
 
     // The allocating API reads the inputs only.
     const expectation ea = model_.allocating();
+    reset_per_variable();
     std::optional<gradavg::averaged_gradients<owned<S>, int>> result;
     const auto ta = outcome_of([&] { result.emplace(gradavg::average_gradients(tg, opts)); });
     if (!arena_unchanged()) fail(c_, "average_gradients changed the arena");
     if (check_outcome(c_, "average_gradients", ta, ea)) check_allocating(*result);
+    else if (!per_variable_unchanged()) fail(c_, "average_gradients threw but wrote options.per_variable");
 
     const expectation ei = model_.into();
     if (ei.set_mode) opts.aliasing = ei.mode;
+    reset_per_variable();
     gradavg::summary sum;
     const auto ti = outcome_of([&] {
       sum = c_.pass_squares ? gradavg::average_gradients_into(tg, means, squares, opts)
@@ -820,14 +1209,38 @@ class runner {
     if (!check_outcome(c_, "average_gradients_into", ti, ei)) {
       if (!arena_unchanged())
         fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but changed the arena");
+      if (!per_variable_unchanged())
+        fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but wrote options.per_variable");
       return;
     }
     check_into(sum, ei.success_checked);
   }
 
  private:
+  /// The statistics of a call or of one variable, as the model knows them.
+  struct statistics {
+    statistic_sum mean_squared, mean_of_squares;
+  };
+
+  /// Elements [lo, hi) of variable i lie in the range (the allocating API: all of them).
+  struct span_of {
+    std::size_t lo, hi;
+  };
+
   GRADAVG_FUZZ_UNTRACED bool arena_unchanged() const {
     return c_.arena_size == 0 || std::memcmp(arena_, before_.data(), c_.arena_size * sizeof(S)) == 0;
+  }
+
+  /// Entries as before a call: a flag decoded from the input (so that writing false shows) and
+  /// sums no call produces.
+  void reset_per_variable() {
+    for (auto& e : per_variable_) e = {c_.fused.per_variable_flag, -1234.5, -6789.25};
+  }
+  [[nodiscard]] bool entry_unchanged(const gradavg::variable_statistics& e) const {
+    return e.nonfinite == c_.fused.per_variable_flag && e.sum_mean_squared == -1234.5 && e.sum_mean_of_squares == -6789.25;
+  }
+  [[nodiscard]] bool per_variable_unchanged() const {
+    return std::all_of(per_variable_.begin(), per_variable_.end(), [&](const auto& e) { return entry_unchanged(e); });
   }
 
   view<S> view_of(const slot_desc& s) { return {arena_ + s.offset, to_shape(s.shape), s.strided}; }
@@ -843,29 +1256,199 @@ class runner {
     return out;
   }
 
-  /// Variable i's reference, from the arena as it was before the calls; computed once.
+  [[nodiscard]] std::vector<std::size_t> offsets_of(std::size_t i) const {
+    std::vector<std::size_t> offsets;
+    for (std::size_t k = 0; k < c_.towers; ++k) offsets.push_back(c_.grads[k][i].offset);
+    return offsets;
+  }
+
+  /// Variable i's plain reference, from the arena as it was before the calls; computed once.
   const std::vector<reference_element<S>>& reference_of(std::size_t i) {
     if (references_.empty()) references_.resize(model_.v());
-    if (references_[i].empty() && c_.grads[0][i].count() > 0) {
-      std::vector<std::size_t> offsets;
-      for (std::size_t k = 0; k < c_.towers; ++k) offsets.push_back(c_.grads[k][i].offset);
-      references_[i] = reference(before_.data(), offsets, c_.grads[0][i].count());
-    }
+    if (references_[i].empty() && c_.grads[0][i].count() > 0)
+      references_[i] = double_accumulation_ ? reference<S, double>(before_.data(), offsets_of(i), c_.grads[0][i].count())
+                                            : reference<S, S>(before_.data(), offsets_of(i), c_.grads[0][i].count());
     return references_[i];
   }
 
+  /// Variable i's bounds under the fused options; computed once.
+  const std::vector<bounded_element>& bounds_of(std::size_t i) {
+    if (bounds_.empty()) bounds_.resize(model_.v());
+    const std::size_t n = c_.grads[0][i].count();
+    if (bounds_[i].empty() && n > 0) {
+      const std::vector<std::size_t> offsets = offsets_of(i);
+      bounds_[i].resize(n);
+      for (std::size_t j = 0; j < n; ++j) bounds_[i][j] = bound_element(before_.data(), offsets, j, params_);
+    }
+    return bounds_[i];
+  }
+
+  /// The elements of variable i in options.range (all for the allocating API).
+  [[nodiscard]] span_of range_of(std::size_t i, bool allocating) const {
+    const std::size_t n = c_.grads[0][i].count();
+    if (allocating) return {0, n};
+    const std::size_t lo = std::min(n, range_begin_ > flat_[i] ? range_begin_ - flat_[i] : 0);
+    const std::size_t hi = std::max(lo, std::min(n, range_end_ > flat_[i] ? range_end_ - flat_[i] : 0));
+    return {lo, hi};
+  }
+
+  /// An input element of variable i in [lo, hi) is NaN or infinite on some tower.
+  GRADAVG_FUZZ_UNTRACED bool input_nonfinite(std::size_t i, span_of r) const {
+    for (std::size_t k = 0; k < c_.towers; ++k)
+      for (std::size_t j = r.lo; j < r.hi; ++j)
+        if (!std::isfinite(before_[c_.grads[k][i].offset + j])) return true;
+    return false;
+  }
+
+  /// A written mean or square as a term of the statistics: itself when the output type is the
+  /// accumulator's, else within its rounding to the output (unknown once that overflowed).
+  void add_output_term(statistic_sum& sum, S v, bool squared) const {
+    const long double x = v;
+    if (params_.out_is_acc || std::isnan(x)) {
+      sum.add(squared ? x * x : x, 0);
+    } else if (std::isinf(x)) {
+      sum.unknown = true;
+    } else {
+      const long double d = params_.out_epsilon * 2 * std::fabs(x) + params_.out_denorm;
+      sum.add(squared ? x * x : x, squared ? 2 * std::fabs(x) * d + d * d : d);
+    }
+  }
+
+  static void add_bounded_term(statistic_sum& sum, const bounded& b) {
+    if (std::isnan(b.value)) sum.add(b.value, 0);
+    else if (b.may_overflow) sum.unknown = true;
+    else sum.add(b.value, b.tol);
+  }
+
+  /// Checks variable i's results in [r.lo, r.hi) (mean and square index like the gradient;
+  /// square null when not output) and adds its terms to the call's statistics and its own.
+  GRADAVG_FUZZ_UNTRACED void check_values(std::size_t i, const S* mean, const S* square, span_of r, bool flagged,
+                                          const std::string& what, statistics& total, statistics& own) {
+    if (zero_ && flagged) {  // every output element +0; statistics those of zeros
+      for (std::size_t j = r.lo; j < r.hi; ++j) {
+        if (!same_bits(mean[j], S(0)) || (square != nullptr && !same_bits(square[j], S(0))))
+          fail(c_, what + ": element " + std::to_string(j) + " of a variable with a non-finite input is not +0");
+      }
+      return;
+    }
+    const bool stats = c_.fused.statistics;
+    if (params_.unrepresentable) {
+      for (statistics* s : {&total, &own}) s->mean_squared.unknown = s->mean_of_squares.unknown = true;
+      return;
+    }
+    const std::vector<reference_element<S>>* ref = unit_ ? &reference_of(i) : nullptr;
+    const std::vector<bounded_element>* bounds = !unit_ || stats ? &bounds_of(i) : nullptr;
+    for (std::size_t j = r.lo; j < r.hi; ++j) {
+      if (ref != nullptr) {
+        if (!same_value(mean[j], (*ref)[j].mean))
+          fail(c_, what + " means: element " + std::to_string(j) + " is " + std::to_string(double(mean[j])) + ", want " +
+                       std::to_string(double((*ref)[j].mean)));
+        if (square != nullptr)
+          rounding_.check(c_, (what + " squares").c_str(), j, double(square[j]), same_value(square[j], (*ref)[j].fused),
+                          same_value(square[j], (*ref)[j].unfused));
+      } else {
+        const bounded_element& b = (*bounds)[j];
+        if (!within(mean[j], b.mean))
+          fail(c_, what + " means: element " + std::to_string(j) + " is " + to_text(mean[j]) + ", want " + to_text(b.mean));
+        if (square != nullptr && !within(square[j], b.square))
+          fail(c_, what + " squares: element " + std::to_string(j) + " is " + to_text(square[j]) + ", want " +
+                       to_text(b.square));
+      }
+      if (!stats) continue;
+      for (statistics* s : {&total, &own}) {
+        add_output_term(s->mean_squared, mean[j], true);
+        if (square != nullptr) add_output_term(s->mean_of_squares, square[j], false);
+        else add_bounded_term(s->mean_of_squares, (*bounds)[j].square);
+      }
+    }
+  }
+
+  static std::string to_text(long double v) {
+    std::ostringstream os;
+    os.precision(21);
+    os << v;
+    return os.str();
+  }
+  static std::string to_text(const bounded& b) {
+    return to_text(b.value) + " +- " + to_text(b.tol) + (b.may_overflow ? " (or non-finite: may overflow)" : "");
+  }
+  static bool same_bits(S a, S b) { return std::memcmp(&a, &b, sizeof(S)) == 0; }
+
+  /// Variable i's results checked; returns whether it holds an element in range.
+  GRADAVG_FUZZ_UNTRACED void check_variable(std::size_t i, const S* mean, const S* square, bool allocating,
+                                            const std::string& what, statistics& total, std::size_t& flagged_count) {
+    const span_of r = range_of(i, allocating);
+    if (r.lo == r.hi) {
+      if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
+        fail(c_, what + ": options.per_variable[" + std::to_string(i) + "] written for a variable without elements in range");
+      return;
+    }
+    const bool flagged = input_nonfinite(i, r);
+    flagged_count += flagged ? 1 : 0;
+    statistics own;
+    check_values(i, mean, square, r, flagged, what, total, own);
+    if (i >= per_variable_.size()) return;
+    const gradavg::variable_statistics& e = per_variable_[i];
+    const std::string entry = what + ": options.per_variable[" + std::to_string(i) + "]";
+    if (e.nonfinite != (detect_ ? flagged : c_.fused.per_variable_flag))
+      fail(c_, entry + ".nonfinite is " + (e.nonfinite ? "true" : "false") +
+                   (detect_ ? "" : ", written although on_nonfinite is ignore"));
+    if (!c_.fused.statistics) {
+      if (e.sum_mean_squared != -1234.5 || e.sum_mean_of_squares != -6789.25)
+        fail(c_, entry + ": sums written although statistics are off");
+    } else if (zero_ && flagged) {
+      if (e.sum_mean_squared != 0 || e.sum_mean_of_squares != 0)
+        fail(c_, entry + ": a zeroed variable's sums are not 0");
+    } else {
+      if (!own.mean_squared.matches(e.sum_mean_squared))
+        fail(c_, entry + ".sum_mean_squared is " + to_text(e.sum_mean_squared) + ", want " + own.mean_squared.describe());
+      if (!own.mean_of_squares.matches(e.sum_mean_of_squares))
+        fail(c_, entry + ".sum_mean_of_squares is " + to_text(e.sum_mean_of_squares) + ", want " +
+                     own.mean_of_squares.describe());
+    }
+  }
+
+  /// The summary's counts, non-finite report and statistics.
+  void check_report(const gradavg::summary& s, const std::string& api, std::size_t averaged, std::size_t skipped,
+                    bool checked, const statistics& total, std::size_t flagged) {
+    if ((s.averaged != averaged || s.skipped != skipped) &&
+        !(s.skipped == skipped && s.averaged == averaged_or_empty_range_ && tolerated("averaged-counts-empty-range")))
+      fail(c_, api + ": summary says " + std::to_string(s.averaged) + " averaged, " + std::to_string(s.skipped) +
+                   " skipped; want " + std::to_string(averaged) + ", " + std::to_string(skipped));
+    if (s.towers != c_.towers || !(s.total_samples == c_.fused.samples_per_tower * static_cast<double>(c_.towers)))
+      fail(c_, api + ": summary says towers " + std::to_string(s.towers) + ", total_samples " + to_text(s.total_samples));
+    if (!checked) return;
+    if (s.nonfinite_variables != (detect_ ? flagged : 0) &&
+        !(!detect_ && s.nonfinite_variables == flagged && tolerated("nonfinite-counted-under-ignore")))
+      fail(c_, api + ": summary.nonfinite_variables is " + std::to_string(s.nonfinite_variables) + ", want " +
+                   std::to_string(detect_ ? flagged : 0));
+    if (!c_.fused.statistics) {
+      if ((s.sum_mean_squared != 0 || s.sum_mean_of_squares != 0) && !tolerated("sums-without-statistics"))
+        fail(c_, api + ": statistics off but sums not 0");
+      return;
+    }
+    if (!total.mean_squared.matches(s.sum_mean_squared))
+      fail(c_, api + ": summary.sum_mean_squared is " + to_text(s.sum_mean_squared) + ", want " + total.mean_squared.describe());
+    if (!total.mean_of_squares.matches(s.sum_mean_of_squares))
+      fail(c_, api + ": summary.sum_mean_of_squares is " + to_text(s.sum_mean_of_squares) + ", want " +
+                   total.mean_of_squares.describe());
+  }
+
   GRADAVG_FUZZ_UNTRACED void check_allocating(const gradavg::averaged_gradients<owned<S>, int>& r) {
-    std::size_t averaged = 0, skipped = 0;
+    std::size_t averaged = 0, skipped = 0, flagged = 0;
+    statistics total;
     for (std::size_t i = 0; i < model_.v(); ++i) {
       const int variable = c_.vars[0][i];
       if (model_.skipped(i)) {
         if (skipped >= r.skipped.size() || r.skipped[skipped].index != i || r.skipped[skipped].variable != variable)
           fail(c_, "average_gradients: skipped list wrong at variable #" + std::to_string(i));
+        if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
+          fail(c_, "average_gradients: options.per_variable[" + std::to_string(i) + "] written for a skipped variable");
         ++skipped;
         continue;
       }
       const dims& want = c_.grads[0][i].shape;
-      const std::vector<reference_element<S>>& ref = reference_of(i);
+      const S* out[2] = {nullptr, nullptr};
       for (int sq = 0; sq <= (c_.include_square ? 1 : 0); ++sq) {
         const auto& list = sq ? r.squares : r.gradients;
         const std::string what = std::string("average_gradients ") + (sq ? "squares" : "means") + " of #" + std::to_string(i);
@@ -876,15 +1459,9 @@ class runner {
                        t.shape.order == gradavg::storage_order::row_major};
         if (t.shape.rank < 1 || t.shape.rank > 2 || !same_shape(got, want) || t.values.size() != want.size())
           fail(c_, what + ": shape " + describe(got) + ", want " + describe(want));
-        for (std::size_t j = 0; j < want.size(); ++j) {
-          if (sq)
-            rounding_.check(c_, what.c_str(), j, double(t.values[j]), same_value(t.values[j], ref[j].fused),
-                            same_value(t.values[j], ref[j].unfused));
-          else if (!same_value(t.values[j], ref[j].mean))
-            fail(c_, what + ": element " + std::to_string(j) + " is " + std::to_string(double(t.values[j])) +
-                         ", want " + std::to_string(double(ref[j].mean)));
-        }
+        out[sq] = t.values.data();
       }
+      check_variable(i, out[0], out[1], true, "average_gradients #" + std::to_string(i), total, flagged);
       ++averaged;
     }
     if (r.gradients.size() != averaged || r.skipped.size() != skipped ||
@@ -893,47 +1470,49 @@ class runner {
                    std::to_string(r.squares.size()) + " squares, " + std::to_string(r.skipped.size()) +
                    " skipped; want " + std::to_string(averaged) + ", " +
                    std::to_string(c_.include_square ? averaged : 0) + ", " + std::to_string(skipped));
+    check_report(r.report, "average_gradients", averaged, skipped, true, total, flagged);
   }
 
-  /// Every arena element: unchanged, or the reference where an averaged variable's output lies
-  /// (anything there when the results are not checked).
+  /// Every arena element: unchanged, or the results where an averaged variable's output lies in
+  /// range (anything there when the results are not checked).
   GRADAVG_FUZZ_UNTRACED void check_into(const gradavg::summary& sum, bool checked) {
-    std::vector<std::uint8_t> written(c_.arena_size, 0);  // in an averaged variable's output
-    std::size_t averaged = 0;
+    std::vector<std::uint8_t> written(c_.arena_size, 0);  // in an averaged variable's output, in range
+    std::size_t averaged = 0, skipped = 0;
     for (std::size_t i = 0; i < model_.v(); ++i) {
-      if (model_.skipped(i)) continue;
-      ++averaged;
+      if (model_.skipped(i)) {
+        ++skipped;
+        continue;
+      }
+      const span_of r = range_of(i, false);
+      averaged += whole_range_ || r.lo < r.hi ? 1 : 0;
+      const std::size_t size = c_.grads[0][i].count();  // the count that tolerated deviation gives
+      averaged_or_empty_range_ +=
+          whole_range_ || (size != 0 && flat_[i] < range_end_ && flat_[i] + size > range_begin_) ? 1 : 0;
       for (int sq = 0; sq <= (c_.pass_squares ? 1 : 0); ++sq) {
         const slot_desc& o = (sq ? c_.squares : c_.means)[i];
-        std::fill_n(written.begin() + static_cast<std::ptrdiff_t>(o.offset), o.count(), std::uint8_t{1});
+        std::fill(written.begin() + static_cast<std::ptrdiff_t>(o.offset + r.lo),
+                  written.begin() + static_cast<std::ptrdiff_t>(o.offset + r.hi), std::uint8_t{1});
       }
     }
-    if (sum.averaged != averaged || sum.skipped != model_.v() - averaged)
-      fail(c_, "average_gradients_into: summary says " + std::to_string(sum.averaged) + " averaged, " +
-                   std::to_string(sum.skipped) + " skipped; want " + std::to_string(averaged) + ", " +
-                   std::to_string(model_.v() - averaged));
     for (std::size_t j = 0; j < c_.arena_size; ++j)
       if (!written[j] && std::memcmp(&arena_[j], &before_[j], sizeof(S)) != 0)
         fail(c_, "average_gradients_into changed arena element " + std::to_string(j) +
-                     ", which is no averaged variable's output");
-    if (!checked) return;
+                     ", which is no averaged variable's output in range");
+    statistics total;
+    std::size_t flagged = 0;
     // Checked layouts have no two outputs overlapping, so each holds its own results.
-    for (std::size_t i = 0; i < model_.v(); ++i) {
-      if (model_.skipped(i)) continue;
-      const std::vector<reference_element<S>>& ref = reference_of(i);
-      for (int sq = 0; sq <= (c_.pass_squares ? 1 : 0); ++sq) {
-        const slot_desc& o = (sq ? c_.squares : c_.means)[i];
-        const std::string what = std::string("average_gradients_into ") + (sq ? "squares" : "means") + " of #" + std::to_string(i);
-        for (std::size_t j = 0; j < o.count(); ++j) {
-          const S got = arena_[o.offset + j];
-          if (sq)
-            rounding_.check(c_, what.c_str(), j, double(got), same_value(got, ref[j].fused), same_value(got, ref[j].unfused));
-          else if (!same_value(got, ref[j].mean))
-            fail(c_, what + ": element " + std::to_string(j) + " is " + std::to_string(double(got)) + ", want " +
-                         std::to_string(double(ref[j].mean)));
+    if (checked)
+      for (std::size_t i = 0; i < model_.v(); ++i) {
+        if (model_.skipped(i)) {
+          if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
+            fail(c_, "average_gradients_into: options.per_variable[" + std::to_string(i) + "] written for a skipped variable");
+          continue;
         }
+        const S* square = c_.pass_squares ? arena_ + c_.squares[i].offset : nullptr;
+        check_variable(i, arena_ + c_.means[i].offset, square, false, "average_gradients_into #" + std::to_string(i), total,
+                       flagged);
       }
-    }
+    check_report(sum, "average_gradients_into", averaged, skipped, checked, total, flagged);
   }
 
   const case_desc& c_;
@@ -942,6 +1521,16 @@ class runner {
   std::vector<S> before_;
   square_rounding rounding_;
   std::vector<std::vector<reference_element<S>>> references_;  // by variable
+  std::vector<std::vector<bounded_element>> bounds_;           // by variable
+  std::vector<gradavg::variable_statistics> per_variable_;
+  fused_params params_;
+  bool double_accumulation_ = false;  // float summed in double, rounded once to float
+  bool unit_ = true;                  // unit weights (or none) and scale 1: the plain results, bitwise
+  bool zero_ = false, detect_ = false;
+  std::vector<std::size_t> flat_;  // variable i's first flat index
+  std::size_t range_begin_ = 0, range_end_ = 0;
+  bool whole_range_ = true;
+  std::size_t averaged_or_empty_range_ = 0;
 };
 
 template <class S>
