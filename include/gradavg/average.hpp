@@ -126,7 +126,7 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
     std::size_t offset = 0;
     for (std::size_t i = 0; i < variable_count; ++i) {
       const std::size_t size = size_of(i);
-      result.written += size != 0 && offset < range_end && offset + size > range_begin ? 1 : 0;
+      result.written += size != 0 && range_begin < range_end && offset < range_end && offset + size > range_begin ? 1 : 0;
       offset += size;
     }
   }

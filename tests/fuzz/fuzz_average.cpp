@@ -699,6 +699,10 @@ class model {
       }
     }
     if (!std::isfinite(f.scale) || std::fabs(f.scale) > acc_max) out.push_back({fault::option, npos, npos});
+    // The scale is folded into each tower's weight: every product must be finite there too.
+    if (f.weights.size() == c_.towers)
+      for (std::size_t k = 0; k < c_.towers; ++k)
+        if (std::fabs(f.weights[k] * f.scale) > acc_max) out.push_back({fault::weight, npos, npos, k});
     if (!std::isfinite(f.samples_per_tower) || f.samples_per_tower < 0) out.push_back({fault::option, npos, npos});
     if (f.range_begin > f.range_end || (allocating && !f.default_range())) out.push_back({fault::option, npos, npos});
     if (f.per_variable && f.per_variable_count != 0 && f.per_variable_count != v() &&
@@ -860,20 +864,18 @@ struct bounded_element {
 };
 
 /// The floating-point facts of the fused step's model for one call: accumulator type Acc,
-/// output type O, weights (empty: 1 each), W their sum, scale c.
+/// output type O, weights (empty: 1 each), W their sum, scale c, and f_k = w_k c (the scale
+/// folded into each weight, computed in double and rounded once to Acc).
 struct fused_params {
   std::size_t towers = 0;
-  std::vector<long double> weights;  // as rounded to Acc
+  std::vector<long double> weights;  // f_k = w_k c, as rounded to Acc
   long double weight_sum = 0;        // exact
-  long double scale = 1, scale_squared = 1;  // as rounded to Acc
+  long double scale = 1;             // c as rounded to Acc
   long double acc_epsilon = 0, acc_denorm = 0, acc_max = 0;  // unit roundoff, smallest denormal, largest finite
   long double out_epsilon = 0, out_denorm = 0, out_max = 0;
   bool out_is_acc = true;
-  /// The square of the scale past Acc's largest finite value (the scale itself, the weights and
-  /// their sum are validated to be finite there): the means of squares computed in Acc would
-  /// multiply by infinity where the exact result is finite (0 * inf = NaN for a zero gradient).
-  /// What the results must be is left open (values unchecked). Also set for weights or sums
-  /// that validation rejects, so that a model of a wrong success never checks against them.
+  /// Weights, their products with the scale or their sum that validation rejects: set so that a
+  /// model of a wrong success never checks values against them.
   bool unrepresentable = false;
 };
 
@@ -883,12 +885,16 @@ fused_params make_params(const fused_desc& f, std::size_t towers) {
   p.towers = towers;
   for (std::size_t k = 0; k < towers; ++k) {
     const double w = f.weights.size() == towers ? f.weights[k] : 1.0;
-    p.weights.push_back(static_cast<Acc>(w));
+    const double folded = w * f.scale;
+    if (w > std::numeric_limits<Acc>::max() || !(std::fabs(folded) <= std::numeric_limits<Acc>::max())) {
+      p.unrepresentable = true;
+      p.weights.push_back(0);
+    } else {
+      p.weights.push_back(static_cast<Acc>(folded));
+    }
     p.weight_sum += w;
-    if (w > std::numeric_limits<Acc>::max()) p.unrepresentable = true;
   }
-  p.scale = static_cast<Acc>(f.scale);
-  p.scale_squared = static_cast<Acc>(f.scale * f.scale);
+  p.scale = std::fabs(f.scale) <= std::numeric_limits<Acc>::max() ? static_cast<Acc>(f.scale) : 0;
   using acc = std::numeric_limits<Acc>;
   using out = std::numeric_limits<O>;
   p.acc_epsilon = acc::epsilon() / 2;
@@ -899,46 +905,43 @@ fused_params make_params(const fused_desc& f, std::size_t towers) {
   p.out_max = out::max();
   p.out_is_acc = std::is_same_v<Acc, O>;
   p.unrepresentable = p.unrepresentable || p.weight_sum < acc::min() || p.weight_sum > acc::max() ||
-                      std::isinf(p.scale) || std::isinf(p.scale_squared);
+                      !(std::fabs(f.scale) <= std::numeric_limits<Acc>::max());
   return p;
 }
 
-/// Bounds of one element: mean = (sum_k w_k x_k / W) c, square = (sum_k w_k x_k^2 / W) c^2.
-/// Error model: each of the T products, T - 1 sums, the division, the scaling and the rounding
-/// of weights, W and c to Acc errs by at most one unit roundoff of its result (and one smallest
-/// denormal where it underflows); the bound allows twice that.
+/// Bounds of one element: mean = sum_k f_k x_k / W, square = sum_k (f_k x_k)(c x_k) / W.
+/// Error model: each product, sum, the division and the rounding of f_k, W and c to Acc errs by
+/// at most one unit roundoff of its result (and one smallest denormal where it underflows); the
+/// bound allows twice that.
 template <class S>
 GRADAVG_FUZZ_UNTRACED bounded_element bound_element(const S* arena, const std::vector<std::size_t>& offsets, std::size_t j,
                                                   const fused_params& p) {
-  long double a = 0, s = 0, abs_a = 0, abs_s = 0, extra_a = 0, extra_s = 0, max_product = 0;
+  long double a = 0, s = 0, abs_a = 0, abs_s = 0, abs_cx = 0, max_product = 0;
   for (std::size_t k = 0; k < offsets.size(); ++k) {
     const long double x = arena[offsets[k] + j];
-    const long double wx = p.weights[k] * x;
-    a += wx;
-    s += wx * x;
+    const long double fx = p.weights[k] * x, cx = p.scale * x;
+    a += fx;
+    s += fx * cx;
     if (!std::isfinite(x)) continue;
-    abs_a += std::fabs(wx);
-    abs_s += std::fabs(wx * x);
-    max_product = std::max(max_product, std::fabs(wx));
-    extra_a += 1 + std::fabs(x);
-    extra_s += 1 + std::fabs(x) + x * x;
+    abs_a += std::fabs(fx);
+    abs_s += std::fabs(fx * cx);
+    abs_cx += std::fabs(cx);
+    max_product = std::max({max_product, std::fabs(fx), std::fabs(cx), std::fabs(fx * cx)});
   }
   const long double w = p.weight_sum;
-  const long double c = std::fabs(p.scale), c2 = p.scale_squared;
-  const long double rel = (2.0L * static_cast<long double>(offsets.size()) + 16) * p.acc_epsilon;
+  const long double t = static_cast<long double>(offsets.size());
+  const long double rel = (2.0L * t + 16) * p.acc_epsilon;
   auto big = [&](long double v, long double limit) { return v * (1 + rel) >= limit; };
   bounded_element e;
-  e.mean.value = a / w * p.scale;
-  e.square.value = s / w * c2;
-  const long double bm = abs_a / w * c, bq = abs_s / w * c2;
-  // Underflow: each product and the weights' rounding (scaled by c / W), the division (scaled
-  // by c), the rounding of c (scaled by the quotient) and the scaling itself.
-  e.mean.tol = rel * bm + p.acc_denorm * (c / w * extra_a + c + abs_a / w + 2);
-  e.square.tol = rel * bq + p.acc_denorm * (c2 / w * extra_s + c2 + abs_s / w + 2);
-  e.mean.may_overflow = big(max_product, p.acc_max) || big(abs_a, p.acc_max) || big(abs_a / w, p.acc_max) ||
-                        big(bm, p.acc_max) || big(bm, p.out_max);
-  e.square.may_overflow = big(max_product, p.acc_max) || big(abs_s, p.acc_max) || big(abs_s / w, p.acc_max) ||
-                          big(bq, p.acc_max) || big(bq, p.out_max);
+  e.mean.value = a / w;
+  e.square.value = s / w;
+  const long double bm = abs_a / w, bq = abs_s / w;
+  // Underflow: each product f_k x_k (and its error carried through c x_k in the squares), each
+  // c x_k (carried through f_k x_k), each square product, and the division.
+  e.mean.tol = rel * bm + 2 * p.acc_denorm * (t / w + 2);
+  e.square.tol = rel * bq + 2 * p.acc_denorm * ((t + abs_a + abs_cx) / w + 2);
+  e.mean.may_overflow = big(max_product, p.acc_max) || big(abs_a, p.acc_max) || big(bm, p.acc_max) || big(bm, p.out_max);
+  e.square.may_overflow = big(max_product, p.acc_max) || big(abs_s, p.acc_max) || big(bq, p.acc_max) || big(bq, p.out_max);
   if (!p.out_is_acc) {  // rounded once more, to O
     e.mean.tol += p.out_epsilon * std::fabs(e.mean.value) * (1 + rel) + p.out_denorm;
     e.square.tol += p.out_epsilon * std::fabs(e.square.value) * (1 + rel) + p.out_denorm;
