@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "random_source.hpp"
+#include "support.hpp"
 
 namespace {
 
@@ -146,16 +146,6 @@ evaluation evaluate(const parameters& p, const dataset& d) {
   return {mean_loss(f.logits, d.y.array()), static_cast<float>(correct) / static_cast<float>(d.y.size())};
 }
 
-// max |a - b| over every element of every parameter, relative to max |b|.
-float max_relative_difference(const parameters& a, const parameters& b) {
-  float difference = 0, scale = 0;
-  for_each_pair(a, b, [&](const auto& x, const auto& y) {
-    difference = std::max(difference, (x - y).cwiseAbs().maxCoeff());
-    scale = std::max(scale, y.cwiseAbs().maxCoeff());
-  });
-  return difference / scale;
-}
-
 // ---- Command line. ---------------------------------------------------------------------------
 
 struct config {
@@ -163,13 +153,6 @@ struct config {
   int steps = 1500;
   bool quiet = false;
 };
-
-std::optional<int> parse_int(std::string_view text, int low, int high) {
-  int value = 0;
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (ec != std::errc() || end != text.data() + text.size() || value < low || value > high) return std::nullopt;
-  return value;
-}
 
 std::optional<config> parse_args(int argc, char** argv) {
   config c;

@@ -1,0 +1,51 @@
+// What the training examples share: deterministic random numbers for their synthetic data, the
+// command line's integers, and the comparison of two parameter sets.
+#pragma once
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
+#include <numbers>
+#include <optional>
+#include <random>
+#include <string_view>
+
+#include <Eigen/Core>
+
+// mt19937_64's output is fixed by the standard, the std distributions' are not: converting by
+// hand keeps the data the same with every standard library.
+class random_source {
+ public:
+  explicit random_source(std::uint64_t seed) : engine_(seed) {}
+  double uniform() { return static_cast<double>(engine_() >> 11) * 0x1.0p-53; }  // [0, 1)
+  // Box-Muller: one standard normal from two uniforms.
+  float normal() {
+    const double radius = std::sqrt(-2.0 * std::log(1.0 - uniform()));
+    return static_cast<float>(radius * std::cos(2.0 * std::numbers::pi * uniform()));
+  }
+  Eigen::Index below(Eigen::Index n) { return static_cast<Eigen::Index>(engine_() % static_cast<std::uint64_t>(n)); }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+// text as an int in [low, high], or nothing.
+inline std::optional<int> parse_int(std::string_view text, int low, int high) {
+  int value = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end != text.data() + text.size() || value < low || value > high) return std::nullopt;
+  return value;
+}
+
+// The largest element difference between two parameter sets over the largest element of b
+// (for_each_pair, found where Parameters is declared, lists their members).
+template <class Parameters>
+float max_relative_difference(const Parameters& a, const Parameters& b) {
+  float difference = 0, scale = 0;
+  for_each_pair(a, b, [&](const auto& x, const auto& y) {
+    difference = std::max(difference, (x - y).cwiseAbs().maxCoeff());
+    scale = std::max(scale, y.cwiseAbs().maxCoeff());
+  });
+  return difference / scale;
+}
