@@ -10,6 +10,8 @@
 #include <optional>
 #include <random>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <Eigen/Core>
 
@@ -29,6 +31,27 @@ class random_source {
  private:
   std::mt19937_64 engine_;
 };
+
+// n independent standard normals.
+inline Eigen::VectorXf normal_vector(Eigen::Index n, random_source& rng) {
+  Eigen::VectorXf v(n);
+  for (float& e : v) e = rng.normal();
+  return v;
+}
+
+// A fresh random order of `from` (samples in the columns of .x, labels in .y) for the next epoch
+// (Fisher-Yates), written into `to`.
+template <class Dataset>
+void shuffle_into(const Dataset& from, Dataset& to, random_source& rng) {
+  std::vector<Eigen::Index> order(static_cast<std::size_t>(from.y.size()));
+  for (std::size_t j = 0; j < order.size(); ++j) order[j] = static_cast<Eigen::Index>(j);
+  for (auto j = static_cast<Eigen::Index>(order.size()) - 1; j > 0; --j)
+    std::swap(order[static_cast<std::size_t>(j)], order[static_cast<std::size_t>(rng.below(j + 1))]);
+  for (Eigen::Index j = 0; j < from.y.size(); ++j) {
+    to.x.col(j) = from.x.col(order[static_cast<std::size_t>(j)]);
+    to.y(j) = from.y(order[static_cast<std::size_t>(j)]);
+  }
+}
 
 // text as an int in [low, high], or nothing.
 inline std::optional<int> parse_int(std::string_view text, int low, int high) {

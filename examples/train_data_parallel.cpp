@@ -47,12 +47,6 @@ struct dataset {
   Eigen::VectorXf y;  // labels, 0 or 1
 };
 
-Eigen::VectorXf normal_vector(Eigen::Index n, random_source& rng) {
-  Eigen::VectorXf v(n);
-  for (float& e : v) e = rng.normal();
-  return v;
-}
-
 dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorXf& v, random_source& rng) {
   const float radius_squared = 2.0f * std::numbers::ln2_v<float>;  // P(chi^2 with 2 dof < r^2) = 1/2
   dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXf(samples)};
@@ -62,18 +56,6 @@ dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorX
     d.y(j) = a * a + b * b < radius_squared ? 1.0f : 0.0f;
   }
   return d;
-}
-
-// A fresh random order of `from` for the next epoch (Fisher-Yates), written into `to`.
-void shuffle_into(const dataset& from, dataset& to, random_source& rng) {
-  std::vector<Eigen::Index> order(static_cast<std::size_t>(from.y.size()));
-  for (std::size_t j = 0; j < order.size(); ++j) order[j] = static_cast<Eigen::Index>(j);
-  for (auto j = static_cast<Eigen::Index>(order.size()) - 1; j > 0; --j)
-    std::swap(order[static_cast<std::size_t>(j)], order[static_cast<std::size_t>(rng.below(j + 1))]);
-  for (Eigen::Index j = 0; j < from.y.size(); ++j) {
-    to.x.col(j) = from.x.col(order[static_cast<std::size_t>(j)]);
-    to.y(j) = from.y(order[static_cast<std::size_t>(j)]);
-  }
 }
 
 // ---- The model. ------------------------------------------------------------------------------

@@ -74,12 +74,6 @@ struct dataset {
   Eigen::VectorXi y;    // class of each sample, 0 to classes - 1
 };
 
-Eigen::VectorXf normal_vector(Eigen::Index n, random_source& rng) {
-  Eigen::VectorXf v(n);
-  for (float& e : v) e = rng.normal();
-  return v;
-}
-
 dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorXf& v, random_source& rng) {
   dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXi(samples)};
   for (int j = 0; j < samples; ++j) {
@@ -87,18 +81,6 @@ dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorX
     d.y(j) = (u.dot(d.x.col(j)) > 0 ? 1 : 0) + (v.dot(d.x.col(j)) > 0 ? 2 : 0);
   }
   return d;
-}
-
-// A fresh random order of `from` for the next epoch (Fisher-Yates), written into `to`.
-void shuffle_into(const dataset& from, dataset& to, random_source& rng) {
-  std::vector<Eigen::Index> order(static_cast<std::size_t>(from.y.size()));
-  for (std::size_t j = 0; j < order.size(); ++j) order[j] = static_cast<Eigen::Index>(j);
-  for (auto j = static_cast<Eigen::Index>(order.size()) - 1; j > 0; --j)
-    std::swap(order[static_cast<std::size_t>(j)], order[static_cast<std::size_t>(rng.below(j + 1))]);
-  for (Eigen::Index j = 0; j < from.y.size(); ++j) {
-    to.x.col(j) = from.x.col(order[static_cast<std::size_t>(j)]);
-    to.y(j) = from.y(order[static_cast<std::size_t>(j)]);
-  }
 }
 
 // ---- The model, in float. --------------------------------------------------------------------
