@@ -9,7 +9,10 @@
 //   mean[i]   = (sum over towers k of g_k[i]) / T              element-wise, summed in tower order
 //   square[i] = (sum over towers k of g_k[i] * g_k[i]) / T      mean of squares (not square of mean)
 // A gradient absent on every tower skips the variable (reported, nothing written); absent on some
-// towers only is an error. Everything is validated before anything is written: after an
+// towers only is an error. options add, in the same pass: 16-bit gradients and double
+// accumulation, tower weights, a scale, non-finite detection, statistics (global norm, noise),
+// per-variable results and element ranges (options.hpp, statistics.hpp, README "The training
+// step, fused"). Everything is validated before anything is written: after an
 // exception, the caller's outputs are unchanged.
 #pragma once
 
