@@ -10,8 +10,9 @@
 #include "level.hpp"
 
 namespace mixed_isa {
+namespace {  // one copy per unit: an inline function would be merged across the units by the linker
 
-inline level_result average_here(const float* const* tower_data, float* mean, float* square) {
+level_result average_here(const float* const* tower_data, float* mean, float* square) {
   using entry = std::pair<std::span<const float>, int>;
   using tower = std::array<entry, 1>;
   std::array<tower, towers> tower_grads;
@@ -24,4 +25,5 @@ inline level_result average_here(const float* const* tower_data, float* mean, fl
   return {gradavg::isa_namespace, reinterpret_cast<const void*>(call)};
 }
 
+}  // namespace
 }  // namespace mixed_isa

@@ -356,10 +356,23 @@ GRADAVG_HOT_ bool flat_shape(const shape& s) noexcept {
   return non_trivial <= 1;
 }
 
-/// An output fits a gradient of the same shape, or of the same element count when either is
-/// flat (a std::span for a matrix, a bucket buffer): equal size and equal element order.
+/// The dimensions above 1, in order.
+GRADAVG_HOT_ shape squeezed(const shape& s) noexcept {
+  shape r;
+  r.order = s.order;
+  for (std::size_t d = 0; d < s.rank; ++d)
+    if (s.dims[d] != 1) r.dims[r.rank++] = s.dims[d];
+  return r;
+}
+
+/// An output fits a gradient when it holds its elements in the same order: the same shape; or
+/// the same element count with either flat (a std::span for a matrix, a slice of a bucket
+/// buffer); or the same dimensions once those of extent 1 are dropped, in the same storage order
+/// (a 6x4x1 tensor for a 6x4 one).
 GRADAVG_HOT_ bool output_fits(const shape& output, const shape& gradient) noexcept {
-  return output == gradient || (output.size() == gradient.size() && (flat_shape(output) || flat_shape(gradient)));
+  if (output == gradient) return true;
+  if (output.size() != gradient.size()) return false;
+  return flat_shape(output) || flat_shape(gradient) || squeezed(output) == squeezed(gradient);
 }
 
 /// x as a message shows it: shortest round-trip form ("0.25", "1e-50", "nan").
