@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "detail/isa.hpp"
+#include "detail/elements.hpp"
 #include "detail/kernel.hpp"
 #include "detail/parallel.hpp"
 #include "detail/validate.hpp"
@@ -261,11 +262,10 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
   return result;
 }
 
-/// average_all reading every gradient again through tower_grads.
-template <class Acc, class TG, class MeanPtr, class SquarePtr>
+/// average_all reading every gradient again through tower_grads, as S.
+template <class Acc, class S, class TG, class MeanPtr, class SquarePtr>
 pass_result average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
                                 const SquarePtr& square_ptr, bool with_squares, const options& opts) {
-  using S = tensor_value_t<gradient_tensor_t<TG>>;
   using O = std::remove_pointer_t<decltype(mean_ptr(std::size_t{}))>;
   return average_all<S, Acc, O>(
       variable_count, std::ranges::size(tg),
@@ -273,7 +273,7 @@ pass_result average_all_entries(const TG& tg, std::size_t variable_count, const 
         const auto g = read_gradient(tg, 0, i);
         return g.present ? g.dims.size() : 0;
       },
-      [&tg](std::size_t i, std::size_t k) { return gradient_data(tg, k, i); }, mean_ptr, square_ptr,
+      [&tg](std::size_t i, std::size_t k) { return gradient_data<TG, S>(tg, k, i); }, mean_ptr, square_ptr,
       with_squares, opts);
 }
 
@@ -306,26 +306,13 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   return r;
 }
 
-template <class TG, class Means, class Squares>
-summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
-  using S = tensor_value_t<gradient_tensor_t<TG>>;
-  using O = tensor_value_t<output_tensor_t<Means&>>;
+/// average_gradients_into with gradients read as S and outputs written as O (the traits'
+/// value_types, or the run-time types validate_elements found).
+template <class S, class O, class TG, class Means, class Squares>
+summary average_into_typed(const TG& tg, Means& means, Squares* squares, const options& opts) {
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
-  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
-  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
-  static_assert(outputs_outlive_reads<Means&>,
-                "gradavg: means yields outputs by value that own their elements; yield references or views");
-  static_assert(supported_output<S, O>,
-                "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
-  if constexpr (with_squares) {
-    static_assert(outputs_outlive_reads<Squares&>,
-                  "gradavg: squares yields outputs by value that own their elements; yield references or views");
-    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, O>,
-                  "gradavg: the squares outputs must hold the same element type as the means outputs");
-  }
-
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
-  const validated v = validate_into(tg, means, squares, opts, scratch);
+  const validated v = validate_into<S, O>(tg, means, squares, opts, scratch);
   const std::size_t towers = std::ranges::size(tg);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
 
@@ -348,17 +335,70 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
           with_squares, opts);
     });
   } else {
-    auto mean_ptr = [&means](std::size_t i) { return read_output(means, i).data; };
+    auto mean_ptr = [&means](std::size_t i) { return read_output<Means, O>(means, i).data; };
     pass = with_accumulator<S>(opts, [&]<class Acc>() {
       if constexpr (with_squares)
-        return average_all_entries<Acc>(
-            tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output(*squares, i).data; }, true, opts);
+        return average_all_entries<Acc, S>(
+            tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output<Squares, O>(*squares, i).data; },
+            true, opts);
       else
-        return average_all_entries<Acc>(
+        return average_all_entries<Acc, S>(
             tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<O*>(nullptr); }, false, opts);
     });
   }
   return make_summary(v.averaged, v.skipped, towers, pass, opts);
+}
+
+[[noreturn]] inline void throw_output_element(element_type gradients, element_type outputs) {
+  throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
+                     std::string(element_name(gradients)) +
+                     "; outputs hold the gradients' element type (or float32 for 16-bit gradients)");
+}
+
+template <class TG, class Means, class Squares>
+summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
+  using G = gradient_tensor_t<TG>;
+  using OT = output_tensor_t<Means&>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
+  static_assert(outputs_outlive_reads<Means&>,
+                "gradavg: means yields outputs by value that own their elements; yield references or views");
+  if constexpr (with_squares) {
+    static_assert(outputs_outlive_reads<Squares&>,
+                  "gradavg: squares yields outputs by value that own their elements; yield references or views");
+    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, tensor_value_t<OT>>,
+                  "gradavg: the squares outputs must hold the same element type as the means outputs");
+  }
+  if constexpr (static_tensor<G> && static_tensor<OT>) {
+    using S = tensor_value_t<G>;
+    using O = tensor_value_t<OT>;
+    static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+    static_assert(supported_output<S, O>,
+                  "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
+    return average_into_typed<S, O>(tg, means, squares, opts);
+  } else {
+    // Run-time element types: found and checked first, then the kernel of those types.
+    const std::size_t variable_count = validate_tower_counts(tg);
+    const call_elements e = validate_elements(tg, variable_count, &means, squares);
+    auto with_gradients = [&]<class S>() -> summary {
+      if constexpr (dynamic_tensor<OT>) {
+        if (e.outputs == e.gradients) return average_into_typed<S, S>(tg, means, squares, opts);
+        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+          return average_into_typed<S, float>(tg, means, squares, opts);
+        throw_output_element(e.gradients, e.outputs);
+      } else {
+        using O = tensor_value_t<OT>;
+        if constexpr (supported_output<S, O>)
+          return average_into_typed<S, O>(tg, means, squares, opts);
+        else
+          throw_output_element(e.gradients, e.outputs);
+      }
+    };
+    if constexpr (dynamic_tensor<G>)
+      return with_element(e.gradients, with_gradients);
+    else
+      return with_gradients.template operator()<tensor_value_t<G>>();
+  }
 }
 
 }  // namespace detail
@@ -395,6 +435,54 @@ summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& s
 /// paired with tower 0's variable, the means of squares when options.include_square, and the
 /// skipped variables. Tensor, when given, must be the gradients' tensor type (it documents the
 /// call; it is otherwise deduced). Results have tensor_traits<Tensor>::result_type.
+namespace detail {
+
+/// The allocating API's pass with gradients read as S (results of the same element type),
+/// after validation.
+template <class S, class TG, class R, class V>
+void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
+                             averaged_gradients<R, V>& result, const options& opts) {
+  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
+  if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+    throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
+  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
+  auto make = [element](const shape& dims) {
+    if constexpr (dynamic_tensor<R>)
+      return tensor_traits<R>::make(dims, element);
+    else
+      return tensor_traits<R>::make(dims);
+  };
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    const auto g0 = read_gradient(tower_grads, 0, i);
+    if (!g0.present) {
+      result.skipped.push_back({i, variable_copy(tower_grads, i)});
+      continue;
+    }
+    slot_of[i] = result.gradients.size();
+    result.gradients.emplace_back(make(g0.dims), variable_copy(tower_grads, i));
+    if (opts.include_square) result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
+  }
+
+  const pass_result pass = with_accumulator<S>(opts, [&]<class Acc>() {
+    return average_all_entries<Acc, S>(
+        tower_grads, variable_count,
+        [&](std::size_t i) { return typed_mutable_data<S>(result.gradients[slot_of[i]].first); },
+        [&](std::size_t i) -> S* {
+          return opts.include_square ? typed_mutable_data<S>(result.squares[slot_of[i]].first) : nullptr;
+        },
+        opts.include_square, opts);
+  });
+  result.report = make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
+                               pass, opts);
+}
+
+}  // namespace detail
+
+/// The seed's _average_gradients: returns, for each variable, its mean gradient over the towers
+/// paired with tower 0's variable, the means of squares when options.include_square, and the
+/// skipped variables. Tensor, when given, must be the gradients' tensor type (it documents the
+/// call; it is otherwise deduced). Results have tensor_traits<Tensor>::result_type, of the
+/// gradients' element type.
 template <class Tensor = detail::deduce_tensor, tower_gradients TG>
 auto average_gradients(const TG& tower_grads, const options& opts = {}) {
   using G = detail::gradient_tensor_t<TG>;
@@ -405,39 +493,23 @@ auto average_gradients(const TG& tower_grads, const options& opts = {}) {
                 "use average_gradients_into with outputs you own");
   using R = typename tensor_traits<G>::result_type;
   using V = detail::variable_t<TG>;
-  using S = tensor_value_t<G>;
-  static_assert(detail::supported_scalar<S>,
+  static_assert(dynamic_tensor<G> || detail::supported_scalar<tensor_value_t<G>>,
                 "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
   const std::size_t variable_count = detail::validate_towers(tower_grads);
-  detail::validate_options(opts, std::ranges::size(tower_grads), variable_count, detail::accumulator_max<S>(opts));
-  if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
-    throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
   averaged_gradients<R, V> result;
-  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
-  for (std::size_t i = 0; i < variable_count; ++i) {
-    const auto g0 = detail::read_gradient(tower_grads, 0, i);
-    if (!g0.present) {
-      result.skipped.push_back({i, detail::variable_copy(tower_grads, i)});
-      continue;
-    }
-    slot_of[i] = result.gradients.size();
-    result.gradients.emplace_back(tensor_traits<G>::make(g0.dims), detail::variable_copy(tower_grads, i));
-    if (opts.include_square) result.squares.emplace_back(tensor_traits<G>::make(g0.dims), result.gradients.back().second);
+  if constexpr (dynamic_tensor<G>) {
+    const element_type e = detail::validate_elements(tower_grads, variable_count, static_cast<std::nullptr_t*>(nullptr),
+                                                     static_cast<std::nullptr_t*>(nullptr))
+                               .gradients;
+    detail::with_element(e, [&]<class S>() {
+      detail::average_gradients_typed<S>(tower_grads, variable_count, e, result, opts);
+    });
+  } else {
+    using S = tensor_value_t<G>;
+    detail::average_gradients_typed<S>(tower_grads, variable_count, detail::element_of_type<S>(), result, opts);
   }
-
-  const detail::pass_result pass = detail::with_accumulator<S>(opts, [&]<class Acc>() {
-    return detail::average_all_entries<Acc>(
-        tower_grads, variable_count,
-        [&](std::size_t i) { return tensor_traits<R>::mutable_data(result.gradients[slot_of[i]].first); },
-        [&](std::size_t i) -> S* {
-          return opts.include_square ? tensor_traits<R>::mutable_data(result.squares[slot_of[i]].first) : nullptr;
-        },
-        opts.include_square, opts);
-  });
-  result.report = detail::make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
-                                       pass, opts);
   return result;
 }
 

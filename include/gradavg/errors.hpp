@@ -35,6 +35,18 @@ class shape_error : public error {
   using error::error;
 };
 
+/// Gradients of one call with different element types (run-time element types, tensor.hpp), or
+/// a tensor whose element type gradavg does not read (an adapter's error, e.g. an int tensor).
+class element_type_error : public error {
+  using error::error;
+};
+
+/// A tensor that its adapter cannot read as a gradient: on another device, sparse, or in another
+/// layout (thrown by an adapter's tensor_traits, re-raised naming the variable and the tower).
+class unsupported_tensor_error : public error {
+  using error::error;
+};
+
 /// A variable's gradient is absent on some towers but present on others.
 class missing_gradient_error : public error {
   using error::error;

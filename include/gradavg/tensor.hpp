@@ -16,8 +16,40 @@
 //   static constexpr bool view = true;             // T does not own its elements (a span, a
 //                                                  // map): then it may be yielded by value (entry.hpp)
 //
+// Run-time element types (a framework tensor whose dtype is a run-time property): instead of a
+// fixed value_type,
+//   using value_type = gradavg::dynamic_element;
+//   static gradavg::element_type element(const T&);   // float32, float64, float16, bfloat16
+//   static const void* data(const T&);
+//   static void* mutable_data(T&);                     // optional, as above
+//   static result_type make(const gradavg::shape&, gradavg::element_type);  // optional, as above
+// One call reads every present gradient as one element type: all gradients of a call (every
+// variable, every tower) must have the same element type, and every output that is written the
+// gradients' type, or float32 for 16-bit gradients, as with fixed types (element_type_error,
+// output_error, naming the variable and the towers). The call then runs the kernel of that type:
+// nothing is converted and no extra pass is made.
+//
+// When the functions are called (the contract):
+//   - Validation, on the calling thread, before anything is written: present(), then element(),
+//     data(), shape() and contiguous() of every present gradient, and the same (with
+//     mutable_data()) of every output of a variable that is averaged; some more than once (for
+//     a message). variable_traits' same() and print() (entry.hpp) likewise.
+//   - The pass: data() and shape() are called again, on any of the call's threads, only when
+//     validation kept no layout (options.aliasing other than all, more than 256 buffers and no
+//     options.layout) and always by the allocating API (average_gradients). They must return what
+//     they returned during validation.
+//   - make() (allocating API only) after validation, on the calling thread, before the pass.
+// Any of them may throw. An exception thrown during validation propagates with nothing
+// written; one that derives from gradavg::error and names no variable (variable_index() is
+// npos) is re-raised as the same type, naming the variable and the tower (e.g. an adapter's
+// "unsupported element type", or shape::from_dims's rank limit). Other exceptions reach the
+// caller unchanged, from whichever thread threw them (never std::terminate). An exception in
+// the pass (a function that succeeded during validation and then throws) leaves the outputs
+// partly written.
+//
 // Specialisations ship for std::vector, std::span and std::array (here), Eigen dense types
-// (gradavg/eigen.hpp) and Eigen's Tensor module (gradavg/eigen_tensor.hpp).
+// (gradavg/eigen.hpp), Eigen's Tensor module (gradavg/eigen_tensor.hpp) and torch::Tensor
+// (gradavg/torch.hpp).
 #pragma once
 
 #include <algorithm>
@@ -26,16 +58,37 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include "detail/isa.hpp"
+#include "errors.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// Order in which a multi-dimensional tensor lays out its elements.
 enum class storage_order : std::uint8_t { row_major, col_major };
+
+/// A gradient's element type, for tensor types whose element type is known at run time only.
+enum class element_type : std::uint8_t { float32, float64, float16, bfloat16 };
+
+/// "float32", "float64", "float16", "bfloat16".
+[[nodiscard]] constexpr std::string_view element_name(element_type e) noexcept {
+  switch (e) {
+    case element_type::float32: return "float32";
+    case element_type::float64: return "float64";
+    case element_type::float16: return "float16";
+    case element_type::bfloat16: return "bfloat16";
+  }
+  return "unknown";
+}
+
+/// tensor_traits<T>::value_type of a tensor type whose element type is a run-time property
+/// (tensor_traits<T>::element(t)); see the file comment.
+struct dynamic_element {};
 
 /// Dimensions of a tensor (at most max_rank) and its storage order. Two tensors with equal
 /// shapes hold their elements in the same order, so they can be combined element by element.
@@ -65,6 +118,25 @@ struct shape {
     return non_trivial <= 1;
   }
 
+  /// The shape of dims (outermost first for row-major), for adapters of tensors of any rank.
+  /// Throws shape_error when there are more than max_rank dimensions or one is negative;
+  /// thrown from a tensor_traits function, it is re-raised naming the variable and the tower.
+  [[nodiscard]] static shape from_dims(std::span<const std::int64_t> dims,
+                                       storage_order order = storage_order::row_major) {
+    if (dims.size() > max_rank)
+      throw shape_error("a tensor of rank " + std::to_string(dims.size()) + "; gradavg reads tensors of rank " +
+                        std::to_string(max_rank) + " (shape::max_rank) at most: pass a reshaped view");
+    shape s;
+    s.rank = dims.size();
+    s.order = order;
+    for (std::size_t d = 0; d < dims.size(); ++d) {
+      if (dims[d] < 0)
+        throw shape_error("a tensor with dimension " + std::to_string(d) + " of extent " + std::to_string(dims[d]));
+      s.dims[d] = dims[d];
+    }
+    return s;
+  }
+
   /// A rank-1 shape of n elements.
   [[nodiscard]] static constexpr shape vector(std::size_t n) noexcept {
     shape s;
@@ -89,13 +161,27 @@ struct shape {
 template <class T>
 struct tensor_traits {};
 
-/// T is readable as a gradient: contiguous data and a shape, through tensor_traits.
+/// T is readable as a gradient of a fixed element type: contiguous data and a shape.
 template <class T>
-concept tensor = requires(const T& t) {
+concept static_tensor = requires(const T& t) {
   typename tensor_traits<T>::value_type;
+  requires !std::same_as<typename tensor_traits<T>::value_type, dynamic_element>;
   { tensor_traits<T>::data(t) } -> std::convertible_to<const typename tensor_traits<T>::value_type*>;
   { tensor_traits<T>::shape(t) } -> std::same_as<shape>;
 };
+
+/// T is readable as a gradient whose element type is known at run time only.
+template <class T>
+concept dynamic_tensor = requires(const T& t) {
+  requires std::same_as<typename tensor_traits<T>::value_type, dynamic_element>;
+  { tensor_traits<T>::element(t) } -> std::same_as<element_type>;
+  { tensor_traits<T>::data(t) } -> std::convertible_to<const void*>;
+  { tensor_traits<T>::shape(t) } -> std::same_as<shape>;
+};
+
+/// T is readable as a gradient: contiguous data and a shape, through tensor_traits.
+template <class T>
+concept tensor = static_tensor<T> || dynamic_tensor<T>;
 
 /// T refers to elements it does not own, which outlive it (tensor_traits<T>::view).
 template <class T>
@@ -103,16 +189,22 @@ concept view_tensor = tensor<T> && requires { requires tensor_traits<T>::view; }
 
 /// T can also be written to, so it can receive a mean or a mean of squares.
 template <class T>
-concept writable_tensor = tensor<T> && requires(T& t) {
+concept writable_tensor = (static_tensor<T> && requires(T& t) {
   { tensor_traits<T>::mutable_data(t) } -> std::same_as<typename tensor_traits<T>::value_type*>;
-};
+}) || (dynamic_tensor<T> && requires(T& t) {
+  { tensor_traits<T>::mutable_data(t) } -> std::same_as<void*>;
+});
 
-/// T names an owning type that the allocating API can create with a given shape.
+/// T names an owning type that the allocating API can create with a given shape (and, for a
+/// dynamic tensor, element type).
 template <class T>
-concept resultable_tensor = tensor<T> && requires(const shape& s) {
+concept resultable_tensor = ((static_tensor<T> && requires(const shape& s) {
   typename tensor_traits<T>::result_type;
   { tensor_traits<T>::make(s) } -> std::same_as<typename tensor_traits<T>::result_type>;
-} && writable_tensor<typename tensor_traits<T>::result_type>;
+}) || (dynamic_tensor<T> && requires(const shape& s, element_type e) {
+  typename tensor_traits<T>::result_type;
+  { tensor_traits<T>::make(s, e) } -> std::same_as<typename tensor_traits<T>::result_type>;
+})) && writable_tensor<typename tensor_traits<T>::result_type>;
 
 template <tensor T>
 using tensor_value_t = typename tensor_traits<T>::value_type;

@@ -114,6 +114,35 @@ GRADAVG_HOT_ constexpr auto with_entry(const TG& tg, std::size_t k, std::size_t 
   return std::forward<F>(f)(std::as_const(e));
 }
 
+/// The element type a call reads T as when it does not choose one: value_type, or for a dynamic
+/// tensor a placeholder (the checks that need only presence and shape).
+template <class T>
+using default_value_t = tensor_value_t<T>;
+
+/// t's first element as S: value_type* for a static tensor (S is value_type), the dynamic
+/// tensor's data() cast to the element type the call chose.
+template <class S, class T>
+GRADAVG_HOT_ const S* typed_data(const T& t) {
+  if constexpr (dynamic_tensor<T>)
+    return static_cast<const S*>(tensor_traits<T>::data(t));
+  else
+    return tensor_traits<T>::data(t);
+}
+
+template <class S, class T>
+GRADAVG_HOT_ S* typed_mutable_data(T& t) {
+  if constexpr (dynamic_tensor<T>)
+    return static_cast<S*>(tensor_traits<T>::mutable_data(t));
+  else
+    return tensor_traits<T>::mutable_data(t);
+}
+
+/// Re-raises the gradavg::error being handled (thrown by a tensor_traits function) naming the
+/// variable and what was read ("gradient on tower 2"), as the same type; any other exception,
+/// or a gradavg::error that already names a variable, unchanged. Called from a catch handler.
+template <class TG>
+[[noreturn, gnu::cold, gnu::noinline]] void rethrow_located(const TG& tg, std::size_t i, const std::string& what);
+
 /// What the checks and the kernel need of one gradient, read once.
 template <class S>
 struct gradient_read {
@@ -128,32 +157,43 @@ struct gradient_read {
   }
 };
 
-template <class TG>
-GRADAVG_HOT_ gradient_read<tensor_value_t<gradient_tensor_t<TG>>> read_gradient(const entry_t<TG>& e) {
+/// Entry e's gradient, read as S. Validation reads through read_gradient_at, which names the
+/// variable and tower in the errors of tensor_traits functions.
+template <class TG, class S = default_value_t<gradient_tensor_t<TG>>>
+GRADAVG_HOT_ gradient_read<S> read_gradient(const entry_t<TG>& e) {
   using G = gradient_tensor_t<TG>;
-  gradient_read<tensor_value_t<G>> r;
+  gradient_read<S> r;
   auto&& s = entry_traits<entry_t<TG>>::gradient(e);
   if (!slot_present(s)) return r;
   const G& g = slot_get(s);
-  r.data = tensor_traits<G>::data(g);
+  r.data = typed_data<S>(g);
   r.dims = tensor_traits<G>::shape(g);
   r.present = true;
   r.contiguous = is_contiguous(g);
   return r;
 }
 
-template <class TG>
+/// read_gradient of tower k's entry e of variable i, for the checks.
+template <class TG, class S = default_value_t<gradient_tensor_t<TG>>>
+GRADAVG_HOT_ gradient_read<S> read_gradient_at(const TG& tg, const entry_t<TG>& e, std::size_t k, std::size_t i) {
+  try {
+    return read_gradient<TG, S>(e);
+  } catch (const error&) {
+    rethrow_located(tg, i, "gradient on tower " + std::to_string(k));
+  }
+}
+
+template <class TG, class S = default_value_t<gradient_tensor_t<TG>>>
 GRADAVG_HOT_ auto read_gradient(const TG& tg, std::size_t tower, std::size_t i) {
-  return with_entry(tg, tower, i, [](const entry_t<TG>& e) { return read_gradient<TG>(e); });
+  return with_entry(tg, tower, i, [&tg, tower, i](const entry_t<TG>& e) { return read_gradient_at<TG, S>(tg, e, tower, i); });
 }
 
 /// Tower k's gradient of variable i's first element; the caller has checked that it is present.
-template <class TG>
+template <class TG, class S = default_value_t<gradient_tensor_t<TG>>>
 GRADAVG_HOT_ auto gradient_data(const TG& tg, std::size_t tower, std::size_t i) {
-  using G = gradient_tensor_t<TG>;
-  return with_entry(tg, tower, i, [](const entry_t<TG>& e) -> const tensor_value_t<G>* {
+  return with_entry(tg, tower, i, [](const entry_t<TG>& e) -> const S* {
     auto&& s = entry_traits<entry_t<TG>>::gradient(e);
-    return tensor_traits<G>::data(slot_get(s));
+    return typed_data<S>(slot_get(s));
   });
 }
 
@@ -200,6 +240,35 @@ std::string describe_variable_at(const TG& tg, std::size_t i) {
   return with_entry(tg, 0, i, [i](const entry_t<TG>& e) {
     return describe_variable(i, entry_traits<entry_t<TG>>::variable(e));
   });
+}
+
+template <class TG>
+void rethrow_located(const TG& tg, std::size_t i, const std::string& what) {
+  auto located = [&](const error& e) {
+    std::string message = e.what();
+    if (message.rfind("gradavg: ", 0) == 0) message.erase(0, 9);
+    return describe_variable_at(tg, i) + ": " + what + ": " + message;
+  };
+  try {
+    throw;
+  } catch (const error& e) {
+    if (e.variable_index() != error::npos) throw;
+    try {
+      throw;
+    } catch (const shape_error&) {
+      throw shape_error(located(e), i);
+    } catch (const element_type_error&) {
+      throw element_type_error(located(e), i);
+    } catch (const unsupported_tensor_error&) {
+      throw unsupported_tensor_error(located(e), i);
+    } catch (const output_error&) {
+      throw output_error(located(e), i);
+    } catch (const missing_gradient_error&) {
+      throw missing_gradient_error(located(e), i);
+    } catch (const error&) {
+      throw error(located(e), i);
+    }
+  }
 }
 
 inline std::string describe_shape(const shape& s) {
@@ -317,8 +386,8 @@ using output_tensor_t = std::remove_cvref_t<decltype(slot_get(std::declval<std::
 template <class R>
 concept output_range =
     std::ranges::random_access_range<R> && std::ranges::sized_range<R> && slot<output_slot_t<R>> &&
-    requires(std::ranges::range_reference_t<R> s) {
-      { tensor_traits<output_tensor_t<R>>::mutable_data(slot_get(s)) } -> std::same_as<tensor_value_t<output_tensor_t<R>>*>;
+    writable_tensor<output_tensor_t<R>> && requires(std::ranges::range_reference_t<R> s) {
+      tensor_traits<output_tensor_t<R>>::mutable_data(slot_get(s));
     };
 
 /// Outputs yielded by value must be views too, or the results would be written into temporaries.
@@ -335,18 +404,28 @@ struct output_read {
   bool contiguous = true;
 };
 
-template <class Outputs>
-GRADAVG_HOT_ auto read_output(Outputs& outputs, std::size_t i) {
-  using O = output_tensor_t<Outputs&>;
-  output_read<tensor_value_t<O>> r;
+template <class Outputs, class O = default_value_t<output_tensor_t<Outputs&>>>
+GRADAVG_HOT_ output_read<O> read_output(Outputs& outputs, std::size_t i) {
+  using T = output_tensor_t<Outputs&>;
+  output_read<O> r;
   auto&& s = at(outputs, i);
   if (!slot_present(s)) return r;
   auto& t = slot_get(s);
-  r.data = tensor_traits<O>::mutable_data(t);
-  r.dims = tensor_traits<O>::shape(t);
+  r.data = typed_mutable_data<O>(t);
+  r.dims = tensor_traits<T>::shape(t);
   r.present = true;
   r.contiguous = is_contiguous(t);
   return r;
+}
+
+/// read_output for the checks: errors of tensor_traits functions name the variable.
+template <class TG, class Outputs, class O = default_value_t<output_tensor_t<Outputs&>>>
+GRADAVG_HOT_ output_read<O> read_output_at(const TG& tg, Outputs& outputs, std::size_t i, const char* what) {
+  try {
+    return read_output<Outputs, O>(outputs, i);
+  } catch (const error&) {
+    rethrow_located(tg, i, std::string("the ") + what + " output");
+  }
 }
 
 /// At most one dimension above 1: the elements' order does not depend on the storage order.
@@ -437,7 +516,7 @@ void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count
   for (std::size_t i = 0; i < variable_count; ++i) {
     const auto g0 = read_gradient(tg, 0, i);
     if (!g0.present) continue;  // skipped
-    const auto out = read_output(outputs, i);
+    const auto out = read_output_at(tg, outputs, i, what);
     if (!out.present) throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is null", i);
     if (!output_fits(out.dims, g0.dims))
       throw output_error(describe_variable_at(tg, i) + ": the " + what + " output has shape " + describe_shape(out.dims) +
@@ -602,12 +681,12 @@ struct validated {
 /// towers and gradients first (variable by variable), then outputs, then overlaps. `stack` holds
 /// the layout when no cache is given and it fits; `heap` when neither holds and the full
 /// check needs it (the one allocation, documented in options.hpp).
-template <class TG, class Means, class Squares>
+/// S and O: the element types the gradients are read as and the outputs written as (the traits'
+/// value_type, or the run-time type validate_elements found).
+template <class S, class O, class TG, class Means, class Squares>
 validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
   using V = variable_t<TG>;
   using E = entry_t<TG>;
-  using S = tensor_value_t<gradient_tensor_t<TG>>;
-  using O = tensor_value_t<output_tensor_t<Means&>>;
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
@@ -650,17 +729,17 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   for (std::size_t i = 0; i < variable_count; ++i) {
     with_entry(tg, 0, i, [&](const E& e0) {
       auto&& v0 = entry_traits<E>::variable(e0);
-      const gradient_read<S> g0 = read_gradient<TG>(e0);
+      const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
       const byte_range g0_bytes = g0.bytes();
       const std::size_t bytes = g0.present ? g0.dims.size() * sizeof(O) : 0;  // of each output
       output_read<O> m, q;
       byte_range m_bytes{}, q_bytes{};
       if (g0.present) {
-        m = read_output(means, i);
+        m = read_output_at<TG, Means, O>(tg, means, i, "means");
         output_problem = output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
         if (m.present) m_bytes = {reinterpret_cast<const std::byte*>(m.data), reinterpret_cast<const std::byte*>(m.data) + bytes};
         if constexpr (with_squares) {
-          q = read_output(*squares, i);
+          q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
           output_problem = output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
           if (q.present) q_bytes = {reinterpret_cast<const std::byte*>(q.data), reinterpret_cast<const std::byte*>(q.data) + bytes};
         }
@@ -684,7 +763,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
             auto&& vk = entry_traits<E>::variable(ek);
             if (!variable_traits<V>::same(v0, vk)) validate_variable(tg, i);  // throws the mismatch
           }
-          const gradient_read<S> gk = read_gradient<TG>(ek);
+          const gradient_read<S> gk = read_gradient_at<TG, S>(tg, ek, k, i);
           present += gk.present ? 1 : 0;
           problem = problem || (gk.present && (!(gk.dims == g0.dims) || !gk.contiguous));
           layout.put(gk.bytes());

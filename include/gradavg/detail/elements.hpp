@@ -1,0 +1,182 @@
+// gradavg internals: run-time element types (tensor.hpp, "Run-time element types"). One call
+// reads all its gradients as one element type and writes all its outputs as one; these checks
+// find them, before anything is written, and the call then runs the kernel of those types.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "isa.hpp"
+#include "kernel.hpp"
+#include "validate.hpp"
+#include "../errors.hpp"
+#include "../tensor.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+/// The element_type of a supported scalar type.
+template <class S>
+constexpr element_type element_of_type() noexcept {
+  if constexpr (std::is_same_v<S, double>)
+    return element_type::float64;
+  else if constexpr (std::is_same_v<S, Eigen::half>)
+    return element_type::float16;
+  else if constexpr (std::is_same_v<S, Eigen::bfloat16>)
+    return element_type::bfloat16;
+  else
+    return element_type::float32;
+}
+
+/// t's element type: the traits' element(t), or value_type's.
+template <class T>
+element_type element_of(const T& t) {
+  if constexpr (dynamic_tensor<T>)
+    return tensor_traits<T>::element(t);
+  else
+    return element_of_type<tensor_value_t<T>>();
+}
+
+/// Calls f.template operator()<S>() with the scalar type of e.
+template <class F>
+decltype(auto) with_element(element_type e, F&& f) {
+  switch (e) {
+    case element_type::float64: return f.template operator()<double>();
+    case element_type::float16: return f.template operator()<Eigen::half>();
+    case element_type::bfloat16: return f.template operator()<Eigen::bfloat16>();
+    case element_type::float32: break;
+  }
+  return f.template operator()<float>();
+}
+
+/// Whether gradients of element type g may be averaged into outputs of element type o: the same
+/// type, or float32 for 16-bit gradients.
+constexpr bool output_element_allowed(element_type g, element_type o) noexcept {
+  return o == g || (o == element_type::float32 && (g == element_type::float16 || g == element_type::bfloat16));
+}
+
+/// The element types one call reads its gradients and writes its outputs as.
+struct call_elements {
+  element_type gradients = element_type::float32;
+  element_type outputs = element_type::float32;
+};
+
+/// Finds the call's element types and checks that every present gradient has the same one
+/// (element_type_error) and every output that will be written holds it or float32 for 16-bit
+/// gradients, all outputs the same (output_error). Outputs are checked only when each range
+/// holds one per variable (validate_into reports the count otherwise). Means / Squares may be
+/// std::nullptr_t (no outputs: the allocating API). Needs validated tower counts.
+template <class TG, class Means, class Squares>
+call_elements validate_elements(const TG& tg, std::size_t variable_count, Means* means, Squares* squares) {
+  using G = gradient_tensor_t<TG>;
+  using E = entry_t<TG>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  call_elements result;
+  bool found = false;  // a present gradient
+  std::size_t first_variable = 0, first_tower = 0;
+  if constexpr (dynamic_tensor<G>) {
+    for (std::size_t i = 0; i < variable_count; ++i) {
+      std::optional<element_type> own;  // this variable's first present gradient's type
+      std::size_t own_tower = 0;
+      for (std::size_t k = 0; k < tower_count; ++k) {
+        const std::optional<element_type> t = with_entry(tg, k, i, [&](const E& e) -> std::optional<element_type> {
+          try {
+            auto&& s = entry_traits<E>::gradient(e);
+            if (!slot_present(s)) return std::nullopt;
+            return element_of(slot_get(s));
+          } catch (const error&) {
+            rethrow_located(tg, i, "gradient on tower " + std::to_string(k));
+          }
+        });
+        if (!t) continue;
+        if (!own) {
+          own = t;
+          own_tower = k;
+        }
+        if (!found) {
+          found = true;
+          result.gradients = *t;
+          first_variable = i;
+          first_tower = k;
+        } else if (*t != result.gradients) {
+          std::string message = describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) + " is " +
+                                std::string(element_name(*t)) + " but ";
+          if (*own != *t)
+            message += "on tower " + std::to_string(own_tower) + " is " + std::string(element_name(*own));
+          else
+            message += describe_variable_at(tg, first_variable) + "'s gradient on tower " +
+                       std::to_string(first_tower) + " is " + std::string(element_name(result.gradients));
+          message +=
+              "; every gradient of one call must have the same element type (convert, or average each element type "
+              "in a call of its own)";
+          throw element_type_error(message, i);
+        }
+      }
+    }
+  } else {
+    found = true;
+    result.gradients = element_of_type<tensor_value_t<G>>();
+  }
+
+  bool output_found = false;
+  std::size_t output_variable = 0;
+  const char* output_what = "means";
+  auto check_outputs = [&]<class Outputs>(Outputs& outputs, const char* what) {
+    using O = output_tensor_t<Outputs&>;
+    if (std::ranges::size(outputs) != variable_count) return;
+    for (std::size_t i = 0; i < variable_count; ++i) {
+      std::optional<element_type> o;
+      try {
+        if (!with_entry(tg, 0, i, [](const E& e) { return slot_present(entry_traits<E>::gradient(e)); })) continue;
+        auto&& s = at(outputs, i);
+        if (!slot_present(s)) continue;  // validate_into reports the null output
+        o = element_of(slot_get(s));
+      } catch (const error&) {
+        rethrow_located(tg, i, std::string("the ") + what + " output");
+      }
+      if (!output_element_allowed(result.gradients, *o))
+        throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " +
+                               std::string(element_name(*o)) + " but the gradients are " +
+                               std::string(element_name(result.gradients)) +
+                               "; outputs hold the gradients' element type (or float32 for 16-bit gradients)",
+                           i);
+      if (!output_found) {
+        output_found = true;
+        result.outputs = *o;
+        output_variable = i;
+        output_what = what;
+      } else if (*o != result.outputs) {
+        throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " +
+                               std::string(element_name(*o)) + " but the " + output_what + " output of " +
+                               describe_variable_at(tg, output_variable) + " is " +
+                               std::string(element_name(result.outputs)) +
+                               "; all outputs of one call must have the same element type",
+                           i);
+      }
+    }
+    if constexpr (!dynamic_tensor<O>) {
+      // A static output type is the call's output type even where nothing is written.
+      if (!output_found) {
+        output_found = true;
+        result.outputs = element_of_type<tensor_value_t<O>>();
+      }
+    }
+  };
+  if constexpr (!std::is_same_v<Means, std::nullptr_t>) check_outputs(*means, "means");
+  if constexpr (!std::is_same_v<Squares, std::nullptr_t>) check_outputs(*squares, "squares");
+
+  if (!output_found) result.outputs = result.gradients;
+  if (!found) {
+    // Nothing is read: any gradient type the outputs accept.
+    result.gradients = result.outputs;
+  }
+  return result;
+}
+
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
