@@ -2,7 +2,9 @@
 # The main demo, on a fresh Debian 12 machine: installs what is missing, builds the examples
 # (Release), then runs the README's program, a data-parallel training job on synthetic data it
 # generates, and a mixed-precision one (bf16 gradients, dynamic loss scaling, clipping, noise
-# scale). Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
+# scale), and, when libtorch is installed, libtorch replicas on threads learning scikit-learn's
+# handwritten digits (scripts/fetch-digits.sh gets them from Debian's python3-sklearn package).
+# Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/demo"
@@ -20,3 +22,9 @@ echo "== examples/train_data_parallel.cpp"
 echo
 echo "== examples/train_mixed_precision.cpp"
 "$build/examples/train_mixed_precision"
+if [[ -x "$build/examples/train_torch_threads" ]]; then
+  echo
+  echo "== examples/train_torch_threads.cpp"
+  digits="$(bash scripts/fetch-digits.sh "${GRADAVG_BUILD_ROOT:-build}/data")"
+  "$build/examples/train_torch_threads" --data "$digits"
+fi

@@ -15,6 +15,9 @@ packages=(
   clang-14 libclang-rt-14-dev       # Clang build (libstdc++ 12) and its sanitizer runtimes
   libomp-14-dev                     # OpenMP for the Clang build's test_threads_openmp
   libtbb-dev                        # oneTBB: test_threads_tbb (gradavg/tbb.hpp)
+  libtorch-dev                      # libtorch: gradavg::torch, test_torch, train_torch_threads,
+                                    # gradavg_bench_torch; its Depends bring what Torch's CMake
+                                    # config finds (gflags, glog, protobuf; oneDNN is above)
   g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
 )
 

@@ -4,7 +4,8 @@
 #   deps      installs what is missing (scripts/install-deps.sh)
 #   werror    GCC, -march=native, -Wall -Wextra -Wpedantic -Werror: tests, examples, benchmarks;
 #             with the instruction-set matrix (kernel and Eigen tests at SSE2, AVX2 and AVX-512,
-#             each skipped where this machine lacks the level)
+#             each skipped where this machine lacks the level); the libtorch test, example and
+#             bench (gradavg::torch) in this stage only: the others configure -DGRADAVG_TORCH=OFF
 #   sanitize  GCC, ASan+UBSan (-fno-sanitize-recover=all), baseline instruction set (SSE2):
 #             tests and examples
 #   clang     Clang 14 with libstdc++, -march=native, -Werror: tests and examples
@@ -56,7 +57,7 @@ stage_werror() {
 }
 
 stage_sanitize() {
-  configure "$root/sanitize" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/sanitize" -DGRADAVG_TORCH=OFF -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=address,undefined -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_NATIVE=OFF -DGRADAVG_ISA_TESTS=OFF
   build "$root/sanitize"
@@ -65,7 +66,7 @@ stage_sanitize() {
 }
 
 stage_clang() {
-  configure "$root/clang" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  configure "$root/clang" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_ISA_TESTS=OFF
   build "$root/clang"
@@ -74,7 +75,7 @@ stage_clang() {
 
 stage_tsan() {
   # Clang: GCC 12 rejects the atomic_thread_fence in Eigen's ThreadPool under TSan (-Wtsan).
-  configure "$root/tsan" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/tsan" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=thread -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
@@ -85,7 +86,7 @@ stage_tsan() {
 }
 
 stage_arm() {
-  configure "$root/aarch64" --toolchain cmake/toolchains/aarch64-linux-gnu.cmake \
+  configure "$root/aarch64" -DGRADAVG_TORCH=OFF --toolchain cmake/toolchains/aarch64-linux-gnu.cmake \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON \
     -DGRADAVG_BUILD_BENCH=OFF
   build "$root/aarch64"
@@ -93,7 +94,7 @@ stage_arm() {
 }
 
 stage_fuzz() {
-  configure "$root/fuzz" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  configure "$root/fuzz" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON -DGRADAVG_NATIVE=OFF -DGRADAVG_BUILD_FUZZ=ON \
     -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
   build "$root/fuzz" fuzz_average
