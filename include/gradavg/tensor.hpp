@@ -34,10 +34,10 @@
 //     data(), shape() and contiguous() of every present gradient, and the same (with
 //     mutable_data()) of every output of a variable that is averaged; some more than once (for
 //     a message). variable_traits' same() and print() (entry.hpp) likewise.
-//   - The pass: data() and shape() are called again, on any of the call's threads, only when
+//   - The pass: every function but element() is called again, on any of the call's threads, when
 //     validation kept no layout (options.aliasing other than all, more than 256 buffers and no
-//     options.layout) and always by the allocating API (average_gradients). They must return what
-//     they returned during validation.
+//     options.layout), and always by the allocating API (average_gradients). They must return
+//     what they returned during validation.
 //   - make() (allocating API only) after validation, on the calling thread, before the pass.
 // Any of them may throw. An exception thrown during validation propagates with nothing
 // written; one that derives from gradavg::error and names no variable (variable_index() is
