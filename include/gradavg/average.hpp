@@ -356,7 +356,7 @@ template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(const TG& tg, Means& means, Squares* squares, const options& opts) {
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
-  const validated v = validate_into<S, O>(tg, means, squares, opts, scratch);
+  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
   const std::size_t towers = std::ranges::size(tg);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
 

@@ -683,7 +683,8 @@ struct validated {
 /// check needs it (the one allocation, documented in options.hpp).
 /// S and O: the element types the gradients are read as and the outputs written as (the traits'
 /// value_type, or the run-time type validate_elements found).
-template <class S, class O, class TG, class Means, class Squares>
+template <class TG, class Means, class Squares, class S = default_value_t<gradient_tensor_t<TG>>,
+          class O = default_value_t<output_tensor_t<Means&>>>
 validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
   using V = variable_t<TG>;
   using E = entry_t<TG>;
