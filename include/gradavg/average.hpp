@@ -107,16 +107,29 @@ struct pass_result {
   double sum_mean_of_squares = 0;
 };
 
-/// Runs the kernel over every variable, summing in Acc and writing O: size_of(i) elements (0 for
-/// a skipped variable), tower_data(i, k) tower k's first element, mean_ptr(i) / square_ptr(i) the
-/// outputs (square_ptr returns null for every i when with_squares is false).
+/// Where the pass finds each variable, through function pointers, so that the pass and the
+/// kernel are compiled once per element type (not once per tensor family and call site):
+/// size_of(i) elements (0 for a skipped variable), tower_data(i, k) tower k's first element,
+/// mean(i) / square(i) the outputs (square returns null for every i without squares).
+template <class S, class O>
+struct pass_source {
+  const void* context;
+  std::size_t (*size_of)(const void* context, std::size_t variable);
+  const S* (*tower_data)(const void* context, std::size_t variable, std::size_t tower);
+  O* (*mean)(const void* context, std::size_t variable);
+  O* (*square)(const void* context, std::size_t variable);
+};
+
+/// Runs the kernel over every variable of source, summing in Acc and writing O.
 /// The elements of options.range form one flat range, split into contiguous chunks of whole
 /// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
 /// share a fork/join.
-template <class S, class Acc, class O, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
-pass_result average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
-                        const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
-                        bool with_squares, const options& opts) {
+template <class S, class Acc, class O>
+pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
+                         bool with_squares, const options& opts) {
+  auto size_of = [&source](std::size_t i) { return source.size_of(source.context, i); };
+  auto mean_ptr = [&source](std::size_t i) { return source.mean(source.context, i); };
+  auto square_ptr = [&source](std::size_t i) { return source.square(source.context, i); };
   std::size_t total = 0;
   for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
   const std::size_t range_begin = std::min(opts.range.begin, total);
@@ -156,6 +169,14 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
   const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
   const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
   segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
+  struct variable_towers {
+    const pass_source<S, O>* source;
+    std::size_t variable;
+    static const S* first_element(const void* context, std::size_t tower) {
+      const auto* self = static_cast<const variable_towers*>(context);
+      return self->source->tower_data(self->source->context, self->variable, tower);
+    }
+  };
 
   auto zero_outputs = [&](std::size_t i, std::size_t begin, std::size_t end) {
     std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
@@ -192,9 +213,10 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
         }
         const std::size_t begin = std::max(offset, seg_begin) - offset;
         const std::size_t end = std::min(offset + size, seg_end) - offset;
-        piece_result piece = reduce_range<S, Acc>([&tower_data, i](std::size_t k) -> const S* { return tower_data(i, k); },
-                                                  tower_count, begin, end, mean_ptr(i), square_ptr(i),
-                                                  opts.streaming_stores, divisor, fused_ptr);
+        const variable_towers towers_of_i{&source, i};
+        piece_result piece = reduce_range<S, Acc>(tower_reader<S>{&towers_of_i, &variable_towers::first_element}, tower_count,
+                                                  begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores, divisor,
+                                                  fused_ptr);
         const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
         const bool ends_here = offset + size <= seg_end || seg_end == range_end;
         if (fused) {
@@ -259,6 +281,28 @@ pass_result average_all(std::size_t variable_count, std::size_t tower_count, con
   result.sum_mean_squared = everything.sum_mean_squared;
   result.sum_mean_of_squares = everything.sum_mean_of_squares;
   return result;
+}
+
+/// average_pass over callables: size_of(i), tower_data(i, k), mean_ptr(i), square_ptr(i).
+template <class S, class Acc, class O, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
+pass_result average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
+                        const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
+                        bool with_squares, const options& opts) {
+  struct callables {
+    const SizeOf& size_of;
+    const TowerData& tower_data;
+    const MeanPtr& mean_ptr;
+    const SquarePtr& square_ptr;
+  };
+  const callables c{size_of, tower_data, mean_ptr, square_ptr};
+  using self = const callables*;
+  const pass_source<S, O> source{
+      &c,
+      [](const void* p, std::size_t i) -> std::size_t { return static_cast<self>(p)->size_of(i); },
+      [](const void* p, std::size_t i, std::size_t k) -> const S* { return static_cast<self>(p)->tower_data(i, k); },
+      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->mean_ptr(i); },
+      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->square_ptr(i); }};
+  return average_pass<S, Acc, O>(variable_count, tower_count, source, with_squares, opts);
 }
 
 /// average_all reading every gradient again through tower_grads.

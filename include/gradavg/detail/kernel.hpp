@@ -325,8 +325,17 @@ struct group_pass {
   }
 };
 
+/// Tower k's first element of one variable, read through a function pointer: the kernel is
+/// compiled once per element type and variant, not once per caller's way of holding gradients.
+template <class S>
+struct tower_reader {
+  const void* context;
+  const S* (*first_element)(const void* context, std::size_t tower);
+  const S* operator()(std::size_t tower) const { return first_element(context, tower); }
+};
+
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
-piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                                O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
   constexpr bool Squares = WithSquare;
   const S* group[group_towers];
@@ -387,8 +396,8 @@ piece_result reduce_range_impl(const auto& tower_data, std::size_t tower_count, 
 /// tower_data(k) returns tower k's first element (of the whole variable, not of the range).
 /// divisor: T, or the weight sum. fused: null for the plain pass. streaming: write the outputs
 /// with non-temporal stores (where O is Acc).
-template <class S, class Acc, class O, class TowerData>
-piece_result reduce_range(const TowerData& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+template <class S, class Acc, class O>
+piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                           O* mean, O* square, bool streaming, Acc divisor, const fused_params<Acc>* fused) {
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
