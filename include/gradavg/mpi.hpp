@@ -451,6 +451,16 @@ struct call {
 
   // ---- The data path. ----
 
+  /// The towers of one variable from element `offset` on, for the kernel's tower_reader.
+  struct piece_towers {
+    const void* const* towers;
+    std::size_t offset;
+    static const S* first_element(const void* context, std::size_t k) {
+      const auto* self = static_cast<const piece_towers*>(context);
+      return static_cast<const S*>(self->towers[k]) + self->offset;
+    }
+  };
+
   struct bucket_set {
     Buf* local = nullptr;  // the fusion buffer, then the gathered sums
     Buf* recv = nullptr;   // every rank's contribution to this rank's slice
@@ -596,7 +606,8 @@ struct call {
         for (std::size_t p = begin; p < end; p += piece_elements) {
           const std::size_t q = std::min(end, p + piece_elements);
           const std::size_t at = offset_of(i) + p - sh.begin;
-          auto tower_data = [tp, p](std::size_t k) { return static_cast<const S*>(tp[k]) + p; };
+          const piece_towers from{tp, p};
+          const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
           const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
               tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, Buf(1), fused ? &params : nullptr);
           nonfinite = nonfinite || (fused && piece.nonfinite);
