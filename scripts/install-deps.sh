@@ -16,6 +16,9 @@ packages=(
   libomp-14-dev                     # OpenMP for the Clang build's test_threads_openmp
   libtbb-dev                        # oneTBB: test_threads_tbb (gradavg/tbb.hpp)
   g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
+  libopenmpi-dev openmpi-bin        # gradavg::mpi, its tests (werror stage), train_mpi, bench_mpi;
+                                    # nothing they only recommend is used (libopenmpi-dev recommends
+                                    # Fortran coarrays alone); openmpi-bin's ssh client is a dependency
 )
 
 missing=()
