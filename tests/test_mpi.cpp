@@ -144,10 +144,12 @@ std::vector<std::size_t> layout(bool uneven, std::size_t same = 1) {
 }
 
 /// Requires outputs within the sum-over-all-towers tolerance of the double reference (16-bit
-/// outputs: within an ulp of half as well), and the skipped ones untouched.
+/// outputs: within an ulp of half as well), and the skipped ones untouched; the first
+/// `variables` only when given.
 template <class S, class O>
-void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out, bool squares) {
-  for (std::size_t i = 0; i < w.sizes.size(); ++i) {
+void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out, bool squares,
+                       std::size_t variables = std::numeric_limits<std::size_t>::max()) {
+  for (std::size_t i = 0; i < std::min(w.sizes.size(), variables); ++i) {
     if (w.absent[i]) {
       for (O x : out[i]) CHECK(x == O(-1234.5f));
       continue;
@@ -240,6 +242,32 @@ TEST_CASE("Eigen::half gradients into half and into float outputs") {
   auto m1_ref = one.outputs();
   gradavg::average_gradients_into(one.all(), m1_ref);
   CHECK(hash_of(m1) == hash_of(m1_ref));
+}
+
+TEST_CASE("threads inside each rank (options.threads = 2) give the same bits and the same non-finite report") {
+  // Buckets large enough to be split between threads (at least 1 MiB of traffic per chunk), a
+  // NaN in a variable that two chunks share.
+  world<float> w({300'000, 5, 400'000}, {false, false, false}, layout(true), 17);
+  const std::size_t last = w.total_towers() - 1;
+  w.data[last][2][200'000] = std::numeric_limits<float>::quiet_NaN();
+  const auto local = w.local();
+  gradavg::mpi::options opts;
+  opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.statistics = true;
+  auto one = w.outputs();
+  auto one_sq = w.outputs();
+  const auto s1 = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, one, one_sq, opts);
+  opts.threads = 2;
+  auto two = w.outputs();
+  auto two_sq = w.outputs();
+  const auto s2 = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, two, two_sq, opts);
+  CHECK(hash_of(one) == hash_of(two));
+  CHECK(hash_of(one_sq) == hash_of(two_sq));
+  CHECK(s1.nonfinite_variables == 1);
+  CHECK(s2.nonfinite_variables == 1);
+  CHECK(std::isnan(two[2][200'000]));
+  CHECK(std::isnan(s2.sum_mean_squared));
+  require_reference(w, two, false, 2);  // variable 2 holds the NaN
 }
 
 TEST_CASE("in place into tower 0's gradients") {

@@ -55,6 +55,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -590,17 +591,23 @@ struct call {
     const gradavg::detail::fused_params<Buf> params{weights, opts.scale, static_cast<Buf>(opts.scale), detect, false};
     constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
 
-    auto fill = [&](const bucket_shape& sh, Buf* buffer) {
+    // Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
+    // move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
+    auto fill_range = [&](const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
       const std::size_t elements = sh.end - sh.begin;
       Buf* sums = buffer;
       Buf* sq = squares_in_buffer ? buffer + elements : nullptr;
       Buf* flags = buffer + elements * (squares_in_buffer ? 2 : 1);
-      std::size_t flag = 0;
-      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
+      std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
+      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
         const std::size_t size = size_of(i);
         if (size == 0) continue;
-        const std::size_t begin = std::max(offset_of(i), sh.begin) - offset_of(i);
-        const std::size_t end = std::min(offset_of(i) + size, sh.end) - offset_of(i);
+        if (offset_of(i) + size <= lo) {
+          ++flag;
+          continue;
+        }
+        const std::size_t begin = std::max(offset_of(i), lo) - offset_of(i);
+        const std::size_t end = std::min(offset_of(i) + size, hi) - offset_of(i);
         bool nonfinite = false;
         const void* const* tp = work.towers.data() + i * towers;
         for (std::size_t p = begin; p < end; p += piece_elements) {
@@ -611,10 +618,27 @@ struct call {
           const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
               tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, Buf(1), fused ? &params : nullptr);
           nonfinite = nonfinite || (fused && piece.nonfinite);
-          progress();
+          if (with_progress) progress();
         }
-        if (detect) flags[flag++] = nonfinite ? Buf(1) : Buf(0);
+        // A variable split between chunks has its flag set by any of them (never cleared).
+        if (detect && nonfinite) std::atomic_ref<Buf>(flags[flag]).store(Buf(1), std::memory_order_relaxed);
+        ++flag;
       }
+    };
+    // options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
+    auto fill = [&](const bucket_shape& sh, Buf* buffer) {
+      const std::size_t elements = sh.end - sh.begin;
+      std::fill(buffer + elements * (squares_in_buffer ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
+      const std::size_t chunks =
+          gradavg::detail::chunk_count(elements, towers * sizeof(S) + per_element, opts);
+      if (chunks <= 1) {
+        fill_range(sh, buffer, sh.begin, sh.end, true);
+        return;
+      }
+      auto chunk = [&](std::size_t c) {
+        fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
+      };
+      gradavg::detail::run_chunks(chunks, chunk, opts);
     };
 
     auto start_exchange = [&](const bucket_shape& sh, bucket_set& bs) {
@@ -697,23 +721,28 @@ struct call {
         O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
         O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
         double* acc = work.sums.data() + 3 * i;
-        double mean_squared = 0, mean_of_squares = 0;
-        for (std::size_t j = 0; j < end - begin; ++j) {
-          Acc mean = static_cast<Acc>(sums[at + j]) / divisor;
-          if (mean != mean) mean = std::numeric_limits<Acc>::quiet_NaN();
-          m[j] = static_cast<O>(mean);
-          if (squares_in_buffer) {
-            Acc square = static_cast<Acc>(sq[at + j]) / divisor;
-            if (square != square) square = std::numeric_limits<Acc>::quiet_NaN();
-            if (q) q[j] = static_cast<O>(square);
-            if (opts.statistics) {
-              mean_squared += static_cast<double>(mean) * static_cast<double>(mean);
-              mean_of_squares += static_cast<double>(square);
-            }
+        const std::size_t len = end - begin;
+        // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
+        constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+        auto divide_into = [&](const Buf* from, O* to) {
+          for (std::size_t j = 0; j < len; ++j) {
+            const Acc x = static_cast<Acc>(from[j]) / divisor;
+            to[j] = static_cast<O>(x == x ? x : nan);
           }
+        };
+        divide_into(sums + at, m);
+        if (q) divide_into(sq + at, q);
+        if (opts.statistics) {  // from the values in Acc, before any rounding to O
+          double mean_squared = 0, mean_of_squares = 0;
+          for (std::size_t j = 0; j < len; ++j) {
+            const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
+            const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
+            mean_squared += mean * mean;
+            mean_of_squares += square;
+          }
+          acc[0] += mean_squared;
+          acc[1] += mean_of_squares;
         }
-        acc[0] += mean_squared;
-        acc[1] += mean_of_squares;
         if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
         if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
       }
