@@ -513,4 +513,19 @@ TEST_CASE("options that differ on one rank: option_error on every rank; bad weig
   every_rank_throws<gradavg::remote_error, gradavg::weight_error>(local, out, 0, bad);
 }
 
+TEST_CASE("the allocating API: a rank whose own call is invalid throws its error, every other rank remote_error") {
+  const world<float> w({5, 6}, {false, false}, layout(true), 8);
+  const auto local = w.local();
+  gradavg::mpi::options opts;
+  if (world_rank() == 1) opts.range = {0, 3};  // a range is for average_gradients_into only
+  if (world_rank() == 1) {
+    const auto e = exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts); });
+    CHECK(contains(e.what(), "options.range"));
+  } else {
+    const auto e = exception_of<gradavg::remote_error>([&] { gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts); });
+    CHECK(contains(e.what(), "rank 1"));
+  }
+  CHECK(same_on_every_rank(7));
+}
+
 }  // namespace
