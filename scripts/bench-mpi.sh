@@ -12,7 +12,7 @@ cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGRADAVG_BUILD_TESTS=OFF -DGR
   -DGRADAVG_BUILD_BENCH=ON > /dev/null
 cmake --build "$build" --target gradavg_bench_mpi -j "${GRADAVG_JOBS:-2}"
 preflags=()
-if mpiexec --version 2>/dev/null | grep -q "Open MPI"; then
+if mpiexec --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then
   preflags=(--oversubscribe)
   if [ "$(id -u)" -eq 0 ]; then preflags+=(--allow-run-as-root); fi
 fi

@@ -26,7 +26,7 @@ if [ -x "$build/examples/train_mpi" ]; then
   echo
   echo "== examples/train_mpi.cpp (mpiexec -n 2)"
   preflags=()
-  if mpiexec --version 2>/dev/null | grep -q "Open MPI"; then preflags=(--oversubscribe); fi
+  if mpiexec --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then preflags=(--oversubscribe); fi
   if [ "$(id -u)" -eq 0 ] && ((${#preflags[@]})); then preflags+=(--allow-run-as-root); fi
   mpiexec -n 2 "${preflags[@]}" "$build/examples/train_mpi" --towers 2 --steps 600
 else
