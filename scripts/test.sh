@@ -59,7 +59,7 @@ stage_werror() {
 }
 
 stage_sanitize() {
-  configure "$root/sanitize" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/sanitize" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=address,undefined -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_NATIVE=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   build "$root/sanitize"
@@ -77,7 +77,7 @@ stage_clang() {
 
 stage_tsan() {
   # Clang: GCC 12 rejects the atomic_thread_fence in Eigen's ThreadPool under TSan (-Wtsan).
-  configure "$root/tsan" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/tsan" -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=thread -DGRADAVG_BUILD_BENCH=OFF \
     -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
