@@ -31,6 +31,7 @@ namespace {
 
 using namespace gradavg_test;
 using half = Eigen::half;
+using bfloat16 = Eigen::bfloat16;
 
 /// MPI for the life of the program (main() is the suite's shared one): every rank runs every case
 /// in the same order; mpiexec fails when any rank's run fails.
@@ -144,7 +145,7 @@ std::vector<std::size_t> layout(bool uneven, std::size_t same = 1) {
 }
 
 /// Requires outputs within the sum-over-all-towers tolerance of the double reference (16-bit
-/// outputs: within an ulp of half as well), and the skipped ones untouched; the first
+/// outputs: within an ulp of their type as well), and the skipped ones untouched; the first
 /// `variables` only when given.
 template <class S, class O>
 void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out, bool squares,
@@ -157,7 +158,9 @@ void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out
     const auto want = w.expected(i, squares);
     const auto scale = w.scale_of(i, squares);
     const double t = (std::is_same_v<S, double> ? tolerance<double>(w.total_towers()) : tolerance<float>(w.total_towers())) +
-                     (std::is_same_v<O, half> ? std::ldexp(1.0, -10) : 0.0);
+                     (std::is_same_v<O, half>       ? std::ldexp(1.0, -10)
+                      : std::is_same_v<O, bfloat16> ? std::ldexp(1.0, -7)
+                                                    : 0.0);
     std::size_t bad = want.size();
     for (std::size_t j = 0; j < want.size() && bad == want.size(); ++j)
       if (!(std::abs(static_cast<double>(out[i][j]) - want[j]) <= t * scale[j] + 1e-30)) bad = j;
@@ -219,8 +222,9 @@ TEST_CASE("double: means and squares against the references") {
     for (bool squares : {false, true}) check_against_references<double>(uneven, squares, 8 * 37);
 }
 
-TEST_CASE("Eigen::half gradients into half and into float outputs") {
-  const world<half> w({3, 129, 1000}, {false, false, false}, layout(true), 5);
+TEMPLATE_TEST_CASE("16-bit gradients into 16-bit and into float outputs", "", half, bfloat16) {
+  using S = TestType;
+  const world<S> w({3, 129, 1000}, {false, false, false}, layout(true), 5);
   const auto local = w.local();
   auto means = w.outputs();
   auto sq = w.outputs();
@@ -231,12 +235,12 @@ TEST_CASE("Eigen::half gradients into half and into float outputs") {
   require_reference(w, sq, true);
   CHECK(same_on_every_rank(hash_of(means)));
 
-  auto wide = w.outputs<float>();
+  auto wide = w.template outputs<float>();
   gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, wide, opts);
   require_reference(w, wide, false);
   CHECK(same_on_every_rank(hash_of(wide)));
 
-  const world<half> one({3, 129, 1000}, {false, false, false}, layout(false), 6);
+  const world<S> one({3, 129, 1000}, {false, false, false}, layout(false), 6);
   auto m1 = one.outputs();
   gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, one.local(), m1, opts);
   auto m1_ref = one.outputs();
