@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The main demo, on a fresh Debian 12 machine: installs what is missing, builds the examples
 # (Release), then runs the README's program, a data-parallel training job on synthetic data it
-# generates, and a mixed-precision one (bf16 gradients, dynamic loss scaling, clipping, noise
-# scale), and, when libtorch is installed, libtorch replicas on threads learning scikit-learn's
-# handwritten digits (scripts/fetch-digits.sh gets them from Debian's python3-sklearn package).
-# Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
+# generates, a mixed-precision one (bf16 gradients, dynamic loss scaling, clipping, noise
+# scale), when MPI is installed, the data-parallel job across 2 processes (mpiexec -n 2,
+# 2 towers each), and, when libtorch is installed, libtorch replicas on threads learning
+# scikit-learn's handwritten digits (scripts/fetch-digits.sh gets them from Debian's
+# python3-sklearn package). Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/demo"
@@ -22,6 +23,19 @@ echo "== examples/train_data_parallel.cpp"
 echo
 echo "== examples/train_mixed_precision.cpp"
 "$build/examples/train_mixed_precision"
+
+if [ -x "$build/examples/train_mpi" ]; then
+  echo
+  echo "== examples/train_mpi.cpp (mpiexec -n 2)"
+  preflags=()
+  if mpiexec --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then preflags=(--oversubscribe); fi
+  if [ "$(id -u)" -eq 0 ] && ((${#preflags[@]})); then preflags+=(--allow-run-as-root); fi
+  mpiexec -n 2 "${preflags[@]}" "$build/examples/train_mpi" --towers 2 --steps 600
+else
+  echo
+  echo "== examples/train_mpi.cpp: not built (no MPI; scripts/install-deps.sh installs Open MPI)"
+fi
+
 if [[ -x "$build/examples/train_torch_threads" ]]; then
   echo
   echo "== examples/train_torch_threads.cpp"

@@ -19,6 +19,9 @@ packages=(
                                     # gradavg_bench_torch; its Depends bring what Torch's CMake
                                     # config finds (gflags, glog, protobuf; oneDNN is above)
   g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
+  libopenmpi-dev openmpi-bin        # gradavg::mpi, its tests (werror stage), train_mpi, bench_mpi;
+                                    # nothing they only recommend is used (libopenmpi-dev recommends
+                                    # Fortran coarrays alone); openmpi-bin's ssh client is a dependency
 )
 
 missing=()

@@ -4,8 +4,11 @@
 #   deps      installs what is missing (scripts/install-deps.sh)
 #   werror    GCC, -march=native, -Wall -Wextra -Wpedantic -Werror: tests, examples, benchmarks;
 #             with the instruction-set matrix (kernel and Eigen tests at SSE2, AVX2 and AVX-512,
-#             each skipped where this machine lacks the level); the libtorch test, example and
-#             bench (gradavg::torch) in this stage only: the others configure -DGRADAVG_TORCH=OFF
+#             each skipped where this machine lacks the level) and the MPI tests (gradavg::mpi
+#             under mpiexec with 2, 3 and 4 ranks, train_mpi with 2); the other stages build
+#             without MPI (-DGRADAVG_MPI=OFF: Open MPI's own allocations would fail LeakSanitizer,
+#             and the cross build has no aarch64 MPI); the libtorch test,
+#             example and bench (gradavg::torch) in this stage only (-DGRADAVG_TORCH=OFF elsewhere)
 #   sanitize  GCC, ASan+UBSan (-fno-sanitize-recover=all), baseline instruction set (SSE2):
 #             tests and examples
 #   clang     Clang 14 with libstdc++, -march=native, -Werror: tests and examples
@@ -57,9 +60,9 @@ stage_werror() {
 }
 
 stage_sanitize() {
-  configure "$root/sanitize" -DGRADAVG_TORCH=OFF -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/sanitize" -DGRADAVG_TORCH=OFF -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=address,undefined -DGRADAVG_BUILD_BENCH=OFF \
-    -DGRADAVG_NATIVE=OFF -DGRADAVG_ISA_TESTS=OFF
+    -DGRADAVG_NATIVE=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   build "$root/sanitize"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     run_ctest "$root/sanitize"
@@ -68,16 +71,16 @@ stage_sanitize() {
 stage_clang() {
   configure "$root/clang" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON -DGRADAVG_BUILD_BENCH=OFF \
-    -DGRADAVG_ISA_TESTS=OFF
+    -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   build "$root/clang"
   run_ctest "$root/clang"
 }
 
 stage_tsan() {
   # Clang: GCC 12 rejects the atomic_thread_fence in Eigen's ThreadPool under TSan (-Wtsan).
-  configure "$root/tsan" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g" \
+  configure "$root/tsan" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-O1 -g1" \
     -DGRADAVG_WERROR=ON -DGRADAVG_SANITIZE=thread -DGRADAVG_BUILD_BENCH=OFF \
-    -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
+    -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
   # test_fused: the fused step's per-segment records and its merge after the join.
   build "$root/tsan" test_threads test_thread_failures test_fused
@@ -88,7 +91,7 @@ stage_tsan() {
 stage_arm() {
   configure "$root/aarch64" -DGRADAVG_TORCH=OFF --toolchain cmake/toolchains/aarch64-linux-gnu.cmake \
     -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON \
-    -DGRADAVG_BUILD_BENCH=OFF
+    -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_MPI=OFF
   build "$root/aarch64"
   run_ctest "$root/aarch64"
 }
@@ -96,7 +99,7 @@ stage_arm() {
 stage_fuzz() {
   configure "$root/fuzz" -DGRADAVG_TORCH=OFF -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2" -DGRADAVG_WERROR=ON -DGRADAVG_NATIVE=OFF -DGRADAVG_BUILD_FUZZ=ON \
-    -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF
+    -DGRADAVG_BUILD_BENCH=OFF -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   build "$root/fuzz" fuzz_average
   run_ctest "$root/fuzz" -R "^fuzz_smoke"
 }

@@ -1,5 +1,8 @@
 // A consumer of the gradavg package: averages two towers and checks the result by hand.
 #include <gradavg/gradavg.hpp>
+#if defined(GRADAVG_CONSUMER_MPI)
+#include <gradavg/mpi.hpp>  // component mpi: compiles and links against MPI's C library
+#endif
 
 #include <Eigen/Core>
 
@@ -27,6 +30,12 @@ int main() {
       return 1;
     }
   }
+#if defined(GRADAVG_CONSUMER_MPI)
+  int initialized = 1;
+  MPI_Initialized(&initialized);  // allowed before MPI_Init: proves the link without starting MPI
+  if (initialized) return 1;
+  std::printf("component mpi: gradavg::mpi::default_fusion_bytes = %zu\n", gradavg::mpi::default_fusion_bytes);
+#endif
   std::printf("gradavg %s consumed: ok\n", version.c_str());
   return 0;
 }

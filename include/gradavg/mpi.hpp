@@ -1,0 +1,875 @@
+// gradavg::mpi: the same averaging across processes, through the MPI C API (target gradavg::mpi).
+//
+// Every rank passes its local towers (ranks may hold different numbers of towers) and receives
+// the mean over all towers of all ranks, and the mean of squares, weights, scale, non-finite
+// detection and statistics with the same meaning as in one process (options.hpp); options.weights
+// holds the weights of the rank's own towers. The call is collective over comm: every rank of comm
+// calls it with the same options (a disagreement is an error, see below).
+//
+// Agreement, before any gradient moves: each rank validates its own towers and outputs exactly as
+// the one-process call does, then two small collectives over metadata (a fixed header per rank,
+// then O(V) integers reduced with MPI_MAX: per variable its presence state and fingerprints of its
+// shape and, where the variable type is a string or arithmetic type, of its identity; variables of
+// other types are compared by shape and presence only) decide identically on every rank which
+// variables are skipped (absent on every tower of every rank) and which error every rank throws:
+//   - a rank's own validation failed: that rank throws its own error, every other rank a
+//     remote_error naming it;
+//   - ranks disagree on the variable count, the options or the element types: tower_error /
+//     option_error naming the ranks;
+//   - per variable, in order: a different variable at that position (variable_mismatch_error),
+//     a gradient absent on some towers of some ranks only (missing_gradient_error naming ranks and
+//     towers), a different shape between ranks (shape_error naming ranks and shapes).
+// No rank enters a collective another rank skips, and nothing is written on any rank after an
+// error.
+//
+// Data path: the flat element range of all averaged variables (options.range, as in one process)
+// is cut into buckets of options.fusion_bytes. Each rank's kernel sums its towers straight into a
+// bucket's fusion buffer (weighted sums, the squares' sums side by side, per-variable non-finite
+// flags behind them); the buffer is then moved as raw bytes only (no MPI reduction): rank r owns a
+// slice of every bucket, receives every rank's contribution to it (MPI_Ialltoallv), sums them in
+// rank order, and the summed slices are gathered back to every rank (MPI_Iallgatherv). Bucket k's
+// communication runs while the kernel fills bucket k+1. The division by the global weight sum (and
+// the statistics) is applied while unpacking into the outputs. So the results are bitwise the
+// same on every rank and from run to run for the same layout, whatever algorithms the MPI library
+// picks. Against the one-process call over the same towers: the means bitwise the same with one
+// tower per rank and unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of
+// the mean, as in one process); the squares within the same bound (one process fuses each
+// tower's square into the running sum, each rank rounds its own sum of squares). The statistics are summed element by element in double (not bitwise those of one
+// process). With accumulation::double_precision, float gradients are summed in float within a
+// rank, and across ranks and divided in double.
+//
+// Memory: a workspace (3 sets of fusion buffers, 2 * fusion_bytes each at most, and O(V + T)
+// tables) held by options.work and reused, so that calls with the same layout allocate nothing;
+// without one, each call allocates its own.
+#pragma once
+
+// The MPI C API only: without these, Open MPI's and MPICH's <mpi.h> pull in the deprecated C++
+// bindings when compiled as C++, which need a library of their own (target gradavg::mpi defines
+// them too, for units that include <mpi.h> first).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "average.hpp"
+
+namespace gradavg {
+
+/// Another rank's own validation failed (that rank throws the detailed error); variable_index()
+/// is the variable it named, or npos.
+class remote_error : public error {
+  using error::error;
+};
+
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace mpi {
+
+/// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums). 16 MiB: Open MPI
+/// 4.1 maps and unmaps its temporaries for messages above glibc's mmap threshold (32 MiB at most),
+/// so 64 MiB buckets fault thousands of fresh pages per call; 16 MiB and 25 MiB fault none
+/// (bench/README.md).
+inline constexpr std::size_t default_fusion_bytes = std::size_t{16} << 20;
+
+namespace mpi_detail {
+template <class, class, class, class>
+struct call;
+}  // namespace mpi_detail
+
+/// Buffers reused from call to call (no allocation once they have grown to a layout's size).
+class workspace {
+ public:
+  workspace() = default;
+
+ private:
+  template <class, class, class, class>
+  friend struct mpi_detail::call;
+  std::vector<std::byte> buffers;
+  std::vector<std::uint64_t> words;
+  std::vector<int> counts;
+  std::vector<const void*> towers;
+  std::vector<void*> outputs;
+  std::vector<double> sums;
+};
+
+/// options plus what only the process-parallel call needs. Every rank passes the same values
+/// (except weights, one per local tower).
+struct options : gradavg::options {
+  /// Bytes of one bucket's fusion buffer; at least one element, at most 1 GiB.
+  std::size_t fusion_bytes = default_fusion_bytes;
+  /// Buffers kept between calls; not owned. Null: the call allocates its own.
+  workspace* work = nullptr;
+};
+
+namespace mpi_detail {
+
+using gradavg::detail::describe_shape;
+using gradavg::detail::describe_towers;
+using gradavg::detail::describe_variable_at;
+
+inline int comm_rank(MPI_Comm comm) {
+  int r = 0;
+  MPI_Comm_rank(comm, &r);
+  return r;
+}
+inline int comm_size(MPI_Comm comm) {
+  int n = 0;
+  MPI_Comm_size(comm, &n);
+  return n;
+}
+
+/// FNV-1a over bytes, never 0 (0 means "nothing to compare" in the reductions).
+inline std::uint64_t fnv(const void* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+inline std::uint64_t shape_fingerprint(const shape& s) noexcept {
+  std::uint64_t h = fnv(&s.rank, sizeof s.rank);
+  h = fnv(s.dims.data(), s.rank * sizeof(std::int64_t), h);
+  std::size_t non_trivial = 0;
+  for (std::size_t d = 0; d < s.rank; ++d) non_trivial += s.dims[d] > 1 ? 1 : 0;
+  const int order = non_trivial > 1 && s.order == storage_order::col_major ? 1 : 0;  // as shape's ==
+  h = fnv(&order, sizeof order, h);
+  return h == 0 ? 1 : h;
+}
+
+/// A fingerprint of a variable that means the same in every process: strings and arithmetic
+/// values; 0 (not compared) for other types (pointers and handles differ between processes).
+template <class V>
+std::uint64_t identity_fingerprint(const V& v) noexcept {
+  std::uint64_t h = 0;
+  if constexpr (std::is_same_v<V, std::string> || std::is_same_v<V, std::string_view>) {
+    h = fnv(v.data(), v.size());
+  } else if constexpr (std::is_same_v<std::remove_cv_t<V>, const char*> || std::is_same_v<std::remove_cv_t<V>, char*>) {
+    h = v == nullptr ? 2 : fnv(v, std::strlen(v));
+  } else if constexpr (std::is_arithmetic_v<V>) {
+    h = fnv(&v, sizeof v);
+  }
+  return h == 0 && (std::is_arithmetic_v<V> || std::is_convertible_v<const V&, std::string_view>) ? 1 : h;
+}
+
+template <class S>
+constexpr std::uint64_t type_code() noexcept {
+  if constexpr (std::is_same_v<S, float>) return 1;
+  else if constexpr (std::is_same_v<S, double>) return 2;
+  else if constexpr (std::is_same_v<S, Eigen::half>) return 3;
+  else return 4;
+}
+
+/// The fixed header every rank contributes to the first collective.
+enum header_field : std::size_t {
+  h_error,           // 1: this rank's own validation failed
+  h_error_variable,  // the variable it named (error::npos when none)
+  h_towers,
+  h_variables,
+  h_squares,    // squares outputs passed
+  h_policy,     // on_nonfinite, statistics, accumulate
+  h_range_begin,
+  h_range_end,
+  h_fusion_bytes,
+  h_types,        // gradient and output element types
+  h_weight_sum,   // bits of the double sum of this rank's weights (T when none)
+  h_scale,        // bits of the scale
+  h_samples,      // bits of samples_per_tower
+  h_per_variable,  // per_variable passed
+  header_words
+};
+
+/// Per-variable words of the second collective (MPI_MAX): a value and its complement give the
+/// maximum and the minimum over ranks.
+enum variable_field : std::size_t { v_state, v_state_min, v_identity, v_identity_min, v_shape, v_shape_min, variable_words };
+
+/// A variable's presence on one rank's towers.
+enum presence : std::uint64_t { absent_everywhere = 0, partial = 1, present_everywhere = 2 };
+
+/// What the third collective (only on a per-variable error) gathers from every rank.
+enum record_field : std::size_t {
+  r_state,
+  r_present,
+  r_towers,
+  r_identity,
+  r_shape,
+  r_rank_dims,  // rank of the shape, then its dimensions, then the order
+  r_missing = r_rank_dims + shape::max_rank + 2,  // the first missing towers
+  r_missing_listed = r_missing + 8,
+  record_words
+};
+
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::vector<std::size_t> r(ranks.begin(), ranks.end());
+  return std::string(ranks.size() > 1 ? "ranks " : "rank ") + describe_towers(r.data(), r.size(), r.size());
+}
+
+inline double bits_to_double(std::uint64_t u) noexcept {
+  double d;
+  std::memcpy(&d, &u, sizeof d);
+  return d;
+}
+inline std::uint64_t double_to_bits(double d) noexcept {
+  std::uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+/// One call: TG the towers, Means/Squares the output ranges (Squares = nullptr_t: none), Buf the
+/// fusion buffer's element type.
+template <class TG, class Means, class Squares, class Buf>
+struct call {
+  using S = tensor_value_t<gradavg::detail::gradient_tensor_t<TG>>;
+  using O = tensor_value_t<gradavg::detail::output_tensor_t<Means&>>;
+  using V = gradavg::detail::variable_t<TG>;
+  static constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+
+  MPI_Comm comm;
+  const TG& tg;
+  Means& means;
+  Squares* squares;
+  const mpi::options& opts;
+  workspace& work;
+  int rank = 0, ranks = 1;
+  std::size_t towers = 0, variables = 0;
+
+  // ---- Agreement. ----
+
+  /// This rank's header and per-variable words (presence, fingerprints) into work.words:
+  /// [header of every rank (P * header_words)] [variable words (V * variable_words)].
+  std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header) {
+    header[h_error] = 0;
+    header[h_error_variable] = error::npos;
+    header[h_towers] = std::ranges::size(tg);
+    header[h_variables] = 0;
+    header[h_squares] = with_squares;
+    header[h_policy] = static_cast<std::uint64_t>(opts.on_nonfinite) | (opts.statistics ? 16u : 0u) |
+                       (static_cast<std::uint64_t>(opts.accumulate) << 8);
+    header[h_range_begin] = opts.range.begin;
+    header[h_range_end] = opts.range.end;
+    header[h_fusion_bytes] = opts.fusion_bytes;
+    header[h_types] = type_code<S>() | type_code<O>() << 8;
+    header[h_scale] = double_to_bits(opts.scale);
+    header[h_samples] = double_to_bits(opts.samples_per_tower);
+    header[h_per_variable] = opts.per_variable.empty() ? 0 : 1;
+    double weight_sum = static_cast<double>(std::ranges::size(tg));
+    if (!opts.weights.empty()) {
+      weight_sum = 0;
+      for (double w : opts.weights) weight_sum += w;
+    }
+    header[h_weight_sum] = double_to_bits(weight_sum);
+    std::exception_ptr failure = prior;
+    if (!failure) {
+      try {
+        towers = std::ranges::size(tg);
+        variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
+        header[h_variables] = variables;
+        // [headers of every rank][this rank's variable words][their reduction][sizes, offsets]
+        work.words.resize(static_cast<std::size_t>(ranks) * header_words + variables * (2 * variable_words + 2));
+        if (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30))
+          throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
+                             "; it must hold two elements and be at most 1 GiB");
+        try {
+          gradavg::detail::check_scratch scratch;
+          gradavg::detail::validate_into(tg, means, squares, opts, scratch);
+        } catch (const missing_gradient_error&) {
+          // Decided with every rank's presence below (the same error on every rank).
+        }
+        gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts));
+        std::uint64_t* w = work.words.data() + ranks * header_words;
+        for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
+          std::size_t present = 0;
+          shape s{};
+          for (std::size_t k = 0; k < towers; ++k) {
+            const auto g = gradavg::detail::read_gradient(tg, k, i);
+            if (g.present && present++ == 0) s = g.dims;
+          }
+          const std::uint64_t state = present == 0 ? absent_everywhere : present == towers ? present_everywhere : partial;
+          const std::uint64_t id = gradavg::detail::with_entry(tg, 0, i, [](const auto& e) {
+            return identity_fingerprint(gradavg::entry_traits<std::remove_cvref_t<decltype(e)>>::variable(e));
+          });
+          const std::uint64_t sh = present ? shape_fingerprint(s) : 0;
+          w[v_state] = state;
+          w[v_state_min] = ~state;
+          w[v_identity] = id;
+          w[v_identity_min] = id == 0 ? 0 : ~id;
+          w[v_shape] = sh;
+          w[v_shape_min] = sh == 0 ? 0 : ~sh;
+        }
+      } catch (const error& e) {
+        failure = std::current_exception();
+        header[h_error_variable] = e.variable_index();
+      } catch (...) {
+        failure = std::current_exception();
+      }
+    }
+    if (failure) header[h_error] = 1;
+    return failure;
+  }
+
+  /// Throws the error every rank agrees on from the gathered headers, if any.
+  void agree_on_headers(const std::uint64_t* all, std::exception_ptr own) const {
+    auto field = [&](int r, header_field f) { return all[static_cast<std::size_t>(r) * header_words + f]; };
+    std::vector<int> failed;
+    for (int r = 0; r < ranks; ++r)
+      if (field(r, h_error)) failed.push_back(r);
+    if (!failed.empty()) {
+      if (own) std::rethrow_exception(own);
+      const std::uint64_t var = field(failed.front(), h_error_variable);
+      throw remote_error("gradavg::mpi: the inputs of " + rank_list(failed) + " were rejected by " +
+                             (failed.size() > 1 ? "their" : "its") + " own validation (" +
+                             (var == error::npos ? std::string("see the error thrown there")
+                                                 : "about variable #" + std::to_string(var) + "; see the error thrown there") +
+                             "); nothing was averaged on any rank",
+                         static_cast<std::size_t>(var));
+    }
+    auto differing = [&](header_field f) {
+      std::vector<int> d;
+      for (int r = 1; r < ranks; ++r)
+        if (field(r, f) != field(0, f)) d.push_back(r);
+      return d;
+    };
+    if (auto d = differing(h_variables); !d.empty())
+      throw tower_error("gradavg::mpi: " + rank_list(d) + " " + (d.size() > 1 ? "hold" : "holds") + " " +
+                        std::to_string(field(d.front(), h_variables)) + " variables but rank 0 holds " +
+                        std::to_string(field(0, h_variables)) + "; every rank must list the same variables in the same order");
+    struct named {
+      header_field f;
+      const char* what;
+    };
+    for (const named& n : {named{h_types, "the gradients' or outputs' element type"},
+                           named{h_squares, "whether squares outputs are passed"},
+                           named{h_policy, "options.on_nonfinite, statistics or accumulate"},
+                           named{h_range_begin, "options.range"}, named{h_range_end, "options.range"},
+                           named{h_fusion_bytes, "options.fusion_bytes"}, named{h_scale, "options.scale"},
+                           named{h_samples, "options.samples_per_tower"},
+                           named{h_per_variable, "whether options.per_variable is passed"}})
+      if (auto d = differing(n.f); !d.empty())
+        throw option_error("gradavg::mpi: " + rank_list(d) + " and rank 0 pass a different " + std::string(n.what) +
+                           "; every rank must pass the same");
+  }
+
+  /// The first variable whose words disagree, and how: 0 none, 1 identity, 2 presence, 3 shape.
+  static std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduced, std::size_t count) {
+    for (std::size_t i = 0; i < count; ++i) {
+      const std::uint64_t* w = reduced + i * variable_words;
+      const std::uint64_t id_max = w[v_identity], id_min = ~w[v_identity_min];
+      if (id_max != 0 && w[v_identity_min] != 0 && id_max != id_min) return {i, 1};
+      const std::uint64_t st_max = w[v_state], st_min = ~w[v_state_min];
+      if (st_max != st_min || st_max == partial) return {i, 2};
+      if (st_max == present_everywhere && w[v_shape] != ~w[v_shape_min]) return {i, 3};
+    }
+    return {count, 0};
+  }
+
+  /// Gathers every rank's record of variable i and throws the error of kind `how`.
+  [[noreturn]] void throw_variable_error(std::size_t i, int how) {
+    std::vector<std::uint64_t> mine(record_words, 0), all(record_words * static_cast<std::size_t>(ranks));
+    std::size_t present = 0, listed = 0;
+    shape s{};
+    for (std::size_t k = 0; k < towers; ++k) {
+      const auto g = gradavg::detail::read_gradient(tg, k, i);
+      if (g.present) {
+        if (present++ == 0) s = g.dims;
+      } else if (listed < r_missing_listed - r_missing) {
+        mine[r_missing + listed++] = k;
+      }
+    }
+    const std::uint64_t* own = work.words.data() + ranks * header_words + i * variable_words;
+    mine[r_state] = own[v_state];
+    mine[r_present] = present;
+    mine[r_towers] = towers;
+    mine[r_identity] = own[v_identity];
+    mine[r_shape] = own[v_shape];
+    mine[r_rank_dims] = s.rank;
+    for (std::size_t d = 0; d < s.rank; ++d) mine[r_rank_dims + 1 + d] = static_cast<std::uint64_t>(s.dims[d]);
+    mine[r_rank_dims + 1 + shape::max_rank] = static_cast<std::uint64_t>(s.order);
+    MPI_Allgather(mine.data(), record_words, MPI_UINT64_T, all.data(), record_words, MPI_UINT64_T, comm);
+    auto rec = [&](int r) { return all.data() + static_cast<std::size_t>(r) * record_words; };
+    auto shape_of = [&](int r) {
+      shape t{};
+      t.rank = rec(r)[r_rank_dims];
+      for (std::size_t d = 0; d < t.rank; ++d) t.dims[d] = static_cast<std::int64_t>(rec(r)[r_rank_dims + 1 + d]);
+      t.order = static_cast<storage_order>(rec(r)[r_rank_dims + 1 + shape::max_rank]);
+      return t;
+    };
+    const std::string name = describe_variable_at(tg, i);
+    if (how == 1) {
+      std::vector<int> other;
+      for (int r = 1; r < ranks; ++r)
+        if (rec(r)[r_identity] != rec(0)[r_identity]) other.push_back(r);
+      throw variable_mismatch_error(name + ": " + rank_list(other) + " " + (other.size() > 1 ? "have" : "has") +
+                                        " a different variable at this position than rank 0; every rank must list "
+                                        "the same variables in the same order",
+                                    i);
+    }
+    if (how == 2) {
+      std::string missing, holding;
+      std::size_t total = 0, total_present = 0;
+      for (int r = 0; r < ranks; ++r) {
+        const std::uint64_t* x = rec(r);
+        total += x[r_towers];
+        total_present += x[r_present];
+        if (x[r_present] == x[r_towers]) {
+          holding += (holding.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r);
+          continue;
+        }
+        std::size_t absent = x[r_towers] - x[r_present];
+        std::size_t shown = std::min<std::size_t>(absent, r_missing_listed - r_missing);
+        std::vector<std::size_t> ks(x + r_missing, x + r_missing + shown);
+        missing += (missing.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " (tower" +
+                   (absent > 1 ? "s " : " ") + describe_towers(ks.data(), shown, absent) + " of " +
+                   std::to_string(x[r_towers]) + ")";
+      }
+      throw missing_gradient_error(name + ": gradient missing on " + missing + " but present on " +
+                                       (holding.empty() ? std::string("the other towers") : holding) + " (" +
+                                       std::to_string(total_present) + " of " + std::to_string(total) +
+                                       " towers in all); a gradient must be present on every tower of every rank or on none",
+                                   i);
+    }
+    int first = 0;
+    while (first < ranks && rec(first)[r_state] != present_everywhere) ++first;
+    std::vector<int> other;
+    for (int r = first + 1; r < ranks; ++r)
+      if (rec(r)[r_shape] != rec(first)[r_shape]) other.push_back(r);
+    throw shape_error(name + ": gradient has shape " + describe_shape(shape_of(other.front())) + " on " +
+                          rank_list(other) + " but shape " + describe_shape(shape_of(first)) + " on rank " +
+                          std::to_string(first),
+                      i);
+  }
+
+  // ---- The data path. ----
+
+  /// The towers of one variable from element `offset` on, for the kernel's tower_reader.
+  struct piece_towers {
+    const void* const* towers;
+    std::size_t offset;
+    static const S* first_element(const void* context, std::size_t k) {
+      const auto* self = static_cast<const piece_towers*>(context);
+      return static_cast<const S*>(self->towers[k]) + self->offset;
+    }
+  };
+
+  struct bucket_set {
+    Buf* local = nullptr;  // the fusion buffer, then the gathered sums
+    Buf* recv = nullptr;   // every rank's contribution to this rank's slice
+    MPI_Request request = MPI_REQUEST_NULL;
+    int* counts = nullptr;  // 6 arrays of P ints: alltoallv's 4, allgatherv's 2
+  };
+
+  template <class Acc>
+  summary run() {
+    const std::uint64_t* headers = work.words.data();
+    // Agreed sizes: variables present everywhere contribute tower 0's element count.
+    std::size_t total_towers = 0;
+    double weight_sum = 0;
+    for (int r = 0; r < ranks; ++r) {
+      total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
+      weight_sum += bits_to_double(headers[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
+    }
+    const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
+    const bool squares_in_buffer = with_squares || opts.statistics;
+    const bool detect = opts.on_nonfinite != nonfinite_policy::ignore;
+    const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
+
+    // Tables: tower pointers (V * T), outputs (2V), sizes and offsets (2V words), per-variable
+    // sums and flags (3V doubles).
+    work.towers.resize(variables * towers);
+    work.outputs.resize(2 * variables);
+    work.sums.resize(3 * variables);
+    std::size_t averaged = 0, skipped = 0, total = 0;
+    std::uint64_t* const sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
+    for (std::size_t i = 0; i < variables; ++i) {
+      std::size_t size = 0;
+      if (reduced[i * variable_words + v_state] == present_everywhere) {
+        ++averaged;
+        for (std::size_t k = 0; k < towers; ++k) {
+          const auto g = gradavg::detail::read_gradient(tg, k, i);
+          work.towers[i * towers + k] = g.data;
+          size = g.dims.size();
+        }
+        work.outputs[2 * i] = gradavg::detail::read_output(means, i).data;
+        if constexpr (with_squares) work.outputs[2 * i + 1] = gradavg::detail::read_output(*squares, i).data;
+        else work.outputs[2 * i + 1] = nullptr;
+      } else {
+        ++skipped;
+      }
+      sizes[2 * i] = size;
+      sizes[2 * i + 1] = total;
+      total += size;
+      work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
+    }
+    const std::uint64_t* size_offset = sizes;
+    auto size_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i]); };
+    auto offset_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i + 1]); };
+
+    const std::size_t range_begin = std::min(opts.range.begin, total);
+    const std::size_t range_end = std::min(opts.range.end, total);
+    summary result;
+    result.skipped = skipped;
+    result.towers = total_towers;
+    result.total_samples = opts.samples_per_tower * static_cast<double>(total_towers);
+    const bool whole = range_begin == 0 && range_end == total;
+    result.averaged = averaged;
+    if (!whole) {
+      result.averaged = 0;
+      for (std::size_t i = 0; i < variables; ++i)
+        result.averaged += size_of(i) != 0 && range_begin < range_end && offset_of(i) < range_end &&
+                                   offset_of(i) + size_of(i) > range_begin
+                               ? 1
+                               : 0;
+    }
+    if (range_begin >= range_end) return result;
+
+    // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
+    const std::size_t per_element = sizeof(Buf) * (squares_in_buffer ? 2 : 1);
+    const std::size_t bucket_elements = std::max<std::size_t>(1, opts.fusion_bytes / per_element);
+    const std::size_t n = range_end - range_begin;
+    const std::size_t buckets = (n + bucket_elements - 1) / bucket_elements;
+    // Most variables one bucket can touch: bounded by its elements and by the variable count.
+    const std::size_t max_flags = detect ? std::min(variables, bucket_elements) + 1 : 0;
+    const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer ? 2 : 1) + max_flags;
+    const std::size_t max_slice = (max_len + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+    const std::size_t sets = std::min<std::size_t>(3, buckets);
+    const std::size_t set_elements = max_len + max_slice * static_cast<std::size_t>(ranks);
+    work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
+    Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
+    // Counts and displacements in bytes: the arrays of a nonblocking collective stay untouched
+    // until it completes, so each set has its own (6 arrays of P ints).
+    const std::size_t P = static_cast<std::size_t>(ranks);
+    work.counts.resize(sets * 6 * P);
+    bucket_set set[3];
+    for (std::size_t s = 0; s < sets; ++s)
+      set[s] = {base + s * set_elements, base + s * set_elements + max_len, MPI_REQUEST_NULL,
+                work.counts.data() + s * 6 * P};
+
+    struct bucket_shape {
+      std::size_t begin, end;       // flat
+      std::size_t first_variable;   // the first variable with an element in it
+      std::size_t flags;            // variables with an element in it (detect)
+      std::size_t len;              // Buf elements in the buffer
+    };
+    std::size_t walk_variable = 0;
+    auto shape_of_bucket = [&](std::size_t b) {
+      bucket_shape sh;
+      sh.begin = range_begin + b * bucket_elements;
+      sh.end = std::min(range_end, sh.begin + bucket_elements);
+      while (walk_variable < variables && offset_of(walk_variable) + size_of(walk_variable) <= sh.begin) ++walk_variable;
+      sh.first_variable = walk_variable;
+      std::size_t v = walk_variable, flags = 0;
+      for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
+      sh.flags = detect ? flags : 0;
+      const std::size_t elements = sh.end - sh.begin;
+      sh.len = elements * (squares_in_buffer ? 2 : 1) + sh.flags;
+      return sh;
+    };
+    auto slice_begin = [&](std::size_t len, int r) { return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks); };
+
+    // Progress of outstanding nonblocking collectives while the kernel runs (MPI libraries
+    // without a progress thread move data only inside MPI calls).
+    auto progress = [&]() {
+      for (std::size_t s = 0; s < sets; ++s) {
+        int done = 0;
+        MPI_Test(&set[s].request, &done, MPI_STATUS_IGNORE);
+      }
+    };
+
+    const double* weights = opts.weights.empty() ? nullptr : opts.weights.data();
+    const bool fused = weights != nullptr || opts.scale != 1.0 || detect;
+    const gradavg::detail::fused_params<Buf> params{weights, opts.scale, static_cast<Buf>(opts.scale), detect, false};
+    constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
+
+    // Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
+    // move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
+    auto fill_range = [&](const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
+      const std::size_t elements = sh.end - sh.begin;
+      Buf* sums = buffer;
+      Buf* sq = squares_in_buffer ? buffer + elements : nullptr;
+      Buf* flags = buffer + elements * (squares_in_buffer ? 2 : 1);
+      std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
+      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
+        const std::size_t size = size_of(i);
+        if (size == 0) continue;
+        if (offset_of(i) + size <= lo) {
+          ++flag;
+          continue;
+        }
+        const std::size_t begin = std::max(offset_of(i), lo) - offset_of(i);
+        const std::size_t end = std::min(offset_of(i) + size, hi) - offset_of(i);
+        bool nonfinite = false;
+        const void* const* tp = work.towers.data() + i * towers;
+        for (std::size_t p = begin; p < end; p += piece_elements) {
+          const std::size_t q = std::min(end, p + piece_elements);
+          const std::size_t at = offset_of(i) + p - sh.begin;
+          const piece_towers from{tp, p};
+          const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
+          const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
+              tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, Buf(1), fused ? &params : nullptr);
+          nonfinite = nonfinite || (fused && piece.nonfinite);
+          if (with_progress) progress();
+        }
+        // A variable split between chunks has its flag set by any of them (never cleared).
+        if (detect && nonfinite) std::atomic_ref<Buf>(flags[flag]).store(Buf(1), std::memory_order_relaxed);
+        ++flag;
+      }
+    };
+    // options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
+    auto fill = [&](const bucket_shape& sh, Buf* buffer) {
+      const std::size_t elements = sh.end - sh.begin;
+      std::fill(buffer + elements * (squares_in_buffer ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
+      const std::size_t chunks =
+          gradavg::detail::chunk_count(elements, towers * sizeof(S) + per_element, opts);
+      if (chunks <= 1) {
+        fill_range(sh, buffer, sh.begin, sh.end, true);
+        return;
+      }
+      auto chunk = [&](std::size_t c) {
+        fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
+      };
+      gradavg::detail::run_chunks(chunks, chunk, opts);
+    };
+
+    auto start_exchange = [&](const bucket_shape& sh, bucket_set& bs) {
+      const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
+      int* send_counts = bs.counts;
+      int* send_displs = send_counts + ranks;
+      int* recv_counts = send_displs + ranks;
+      int* recv_displs = recv_counts + ranks;
+      for (int r = 0; r < ranks; ++r) {
+        send_displs[r] = static_cast<int>(slice_begin(sh.len, r) * sizeof(Buf));
+        send_counts[r] = static_cast<int>((slice_begin(sh.len, r + 1) - slice_begin(sh.len, r)) * sizeof(Buf));
+        recv_counts[r] = static_cast<int>(mine * sizeof(Buf));
+        recv_displs[r] = static_cast<int>(static_cast<std::size_t>(r) * mine * sizeof(Buf));
+      }
+      MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs, MPI_BYTE, comm,
+                     &bs.request);
+    };
+    // Waits for the contributions, sums them in rank order into this rank's slice of the buffer,
+    // and starts gathering the slices back.
+    auto reduce_and_gather = [&](const bucket_shape& sh, bucket_set& bs) {
+      MPI_Wait(&bs.request, MPI_STATUS_IGNORE);
+      const std::size_t first = slice_begin(sh.len, rank);
+      const std::size_t mine = slice_begin(sh.len, rank + 1) - first;
+      Buf* out = bs.local + first;
+      std::copy(bs.recv, bs.recv + mine, out);
+      for (int r = 1; r < ranks; ++r) {
+        const Buf* in = bs.recv + static_cast<std::size_t>(r) * mine;
+        for (std::size_t j = 0; j < mine; ++j) out[j] += in[j];
+      }
+      int* gather_counts = bs.counts + 4 * ranks;
+      int* gather_displs = gather_counts + ranks;
+      for (int r = 0; r < ranks; ++r) {
+        gather_displs[r] = static_cast<int>(slice_begin(sh.len, r) * sizeof(Buf));
+        gather_counts[r] = static_cast<int>((slice_begin(sh.len, r + 1) - slice_begin(sh.len, r)) * sizeof(Buf));
+      }
+      MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, gather_counts, gather_displs, MPI_BYTE, comm, &bs.request);
+    };
+
+    const Acc divisor = static_cast<Acc>(weight_sum);
+    double everything_mean_squared = 0, everything_mean_of_squares = 0;
+    std::size_t nonfinite_variables = 0;
+    // A variable whose last element in the range has been written: zeroed when the policy says,
+    // reported.
+    auto finish_variable = [&](std::size_t i) {
+      double* acc = work.sums.data() + 3 * i;
+      const bool nonfinite = acc[2] != 0;
+      if (zero_nonfinite && nonfinite) {
+        const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
+        const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
+        O* m = static_cast<O*>(work.outputs[2 * i]);
+        std::fill(m + begin, m + end, O(0));
+        if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
+        acc[0] = acc[1] = 0;
+      }
+      if (!opts.per_variable.empty()) {
+        variable_statistics& out = opts.per_variable[i];
+        if (detect) out.nonfinite = nonfinite;
+        if (opts.statistics) {
+          out.sum_mean_squared = acc[0];
+          out.sum_mean_of_squares = acc[1];
+        }
+      }
+      everything_mean_squared += acc[0];
+      everything_mean_of_squares += acc[1];
+      nonfinite_variables += nonfinite ? 1 : 0;
+    };
+    auto unpack = [&](const bucket_shape& sh, bucket_set& bs) {
+      MPI_Wait(&bs.request, MPI_STATUS_IGNORE);
+      const std::size_t elements = sh.end - sh.begin;
+      const Buf* sums = bs.local;
+      const Buf* sq = bs.local + elements;
+      const Buf* flags = bs.local + elements * (squares_in_buffer ? 2 : 1);
+      std::size_t flag = 0;
+      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
+        const std::size_t size = size_of(i);
+        if (size == 0) continue;
+        const std::size_t begin = std::max(offset_of(i), sh.begin) - offset_of(i);
+        const std::size_t end = std::min(offset_of(i) + size, sh.end) - offset_of(i);
+        const std::size_t at = offset_of(i) + begin - sh.begin;
+        O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
+        O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
+        double* acc = work.sums.data() + 3 * i;
+        const std::size_t len = end - begin;
+        // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
+        constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+        auto divide_into = [&](const Buf* from, O* to) {
+          for (std::size_t j = 0; j < len; ++j) {
+            const Acc x = static_cast<Acc>(from[j]) / divisor;
+            to[j] = static_cast<O>(x == x ? x : nan);
+          }
+        };
+        divide_into(sums + at, m);
+        if (q) divide_into(sq + at, q);
+        if (opts.statistics) {  // from the values in Acc, before any rounding to O
+          double mean_squared = 0, mean_of_squares = 0;
+          for (std::size_t j = 0; j < len; ++j) {
+            const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
+            const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
+            mean_squared += mean * mean;
+            mean_of_squares += square;
+          }
+          acc[0] += mean_squared;
+          acc[1] += mean_of_squares;
+        }
+        if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
+        if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
+      }
+      progress();
+    };
+
+    // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered.
+    bucket_shape shapes[3];
+    for (std::size_t b = 0; b < buckets + 2; ++b) {
+      if (b < buckets) {
+        bucket_set& bs = set[b % 3];
+        shapes[b % 3] = shape_of_bucket(b);
+        fill(shapes[b % 3], bs.local);
+        start_exchange(shapes[b % 3], bs);
+      }
+      if (b >= 1 && b - 1 < buckets) {
+        bucket_set& bs = set[(b - 1) % 3];
+        reduce_and_gather(shapes[(b - 1) % 3], bs);
+      }
+      if (b >= 2) unpack(shapes[(b - 2) % 3], set[(b - 2) % 3]);
+    }
+    result.nonfinite_variables = nonfinite_variables;
+    if (opts.statistics) {
+      result.sum_mean_squared = everything_mean_squared;
+      result.sum_mean_of_squares = everything_mean_of_squares;
+    }
+    return result;
+  }
+
+  summary operator()(std::exception_ptr prior) {
+    rank = comm_rank(comm);
+    ranks = comm_size(comm);
+    const std::size_t header_bytes = static_cast<std::size_t>(ranks) * header_words;
+    if (work.words.size() < header_bytes) work.words.resize(header_bytes);
+    std::uint64_t header[header_words];
+    const std::exception_ptr own = local_checks(prior, header);
+    // Collective 1: every rank's header. After it, every rank holds the same variable count
+    // (or throws), and work.words room for the variable words.
+    MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm);
+    agree_on_headers(work.words.data(), own);
+    // Collective 2: per-variable presence and fingerprints, maximum and minimum over ranks.
+    const std::size_t vw = variables * variable_words;
+    std::uint64_t* local = work.words.data() + header_bytes;
+    if (vw != 0) MPI_Allreduce(local, local + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm);
+    if (const auto [i, how] = first_disagreement(local + vw, variables); how != 0) throw_variable_error(i, how);
+    return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return run<Acc>(); });
+  }
+};
+
+template <class TG, class Means, class Squares>
+summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
+                     std::exception_ptr prior = nullptr) {
+  using S = tensor_value_t<gradavg::detail::gradient_tensor_t<TG>>;
+  using O = tensor_value_t<gradavg::detail::output_tensor_t<Means&>>;
+  static_assert(gradavg::detail::supported_scalar<S>,
+                "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+  static_assert(gradavg::detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
+  static_assert(gradavg::detail::supported_output<S, O>,
+                "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
+  workspace own;
+  workspace& work = opts.work ? *opts.work : own;
+  using Buf = gradavg::detail::accumulator_t<S>;
+  return call<TG, Means, Squares, Buf>{comm, tg, means, squares, opts, work}(prior);
+}
+
+}  // namespace mpi_detail
+
+/// Averages over the towers of every rank of comm into outputs each rank owns (see the file
+/// comment and gradavg::average_gradients_into). Collective: every rank of comm calls it.
+template <tower_gradients TG, class Means>
+  requires gradavg::detail::output_range<Means&>
+summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, const mpi::options& opts = {}) {
+  return mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
+}
+
+/// As above, and squares[i] receives the mean over all towers of all ranks of the squared gradient.
+template <tower_gradients TG, class Means, class Squares>
+  requires gradavg::detail::output_range<Means&> && gradavg::detail::output_range<Squares&>
+summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
+                               const mpi::options& opts = {}) {
+  return mpi_detail::average_into(comm, tower_grads, means, &squares, opts);
+}
+
+/// The allocating form: gradavg::average_gradients over every rank's towers.
+template <tower_gradients TG>
+auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options& opts = {}) {
+  using G = gradavg::detail::gradient_tensor_t<TG>;
+  static_assert(resultable_tensor<G>,
+                "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
+                "use average_gradients_into with outputs you own");
+  using R = typename tensor_traits<G>::result_type;
+  using Var = gradavg::detail::variable_t<TG>;
+  averaged_gradients<R, Var> result;
+  std::vector<R*> means, squares;
+  std::exception_ptr prior;
+  try {
+    const std::size_t towers = std::ranges::size(tower_grads);
+    const std::size_t variable_count = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tower_grads, 0));
+    if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+      throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
+    means.assign(variable_count, nullptr);
+    squares.assign(variable_count, nullptr);
+    result.gradients.reserve(variable_count);
+    if (opts.include_square) result.squares.reserve(variable_count);
+    for (std::size_t i = 0; i < variable_count; ++i) {
+      const auto g0 = gradavg::detail::read_gradient(tower_grads, 0, i);
+      if (!g0.present) {
+        result.skipped.push_back({i, gradavg::detail::variable_copy(tower_grads, i)});
+        continue;
+      }
+      result.gradients.emplace_back(tensor_traits<G>::make(g0.dims), gradavg::detail::variable_copy(tower_grads, i));
+      means[i] = &result.gradients.back().first;
+      if (opts.include_square) {
+        result.squares.emplace_back(tensor_traits<G>::make(g0.dims), result.gradients.back().second);
+        squares[i] = &result.squares.back().first;
+      }
+    }
+  } catch (...) {
+    prior = std::current_exception();
+  }
+  if (opts.include_square)
+    result.report = mpi_detail::average_into(comm, tower_grads, means, &squares, opts, prior);
+  else
+    result.report = mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
+  return result;
+}
+
+}  // namespace mpi
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg

@@ -1,0 +1,535 @@
+// gradavg::mpi under mpiexec (ctest runs it with 2, 3 and 4 ranks, each with a timeout: a hang
+// fails). Every rank regenerates every rank's towers from a seed, so each can compute the
+// references itself: the independent double reference of reference.hpp (tolerance of a sum over
+// all towers: 2 (T+1) eps relative to the mean magnitude, plus 2^-10 for 16-bit outputs), and the
+// one-process gradavg call over all towers, whose means the cross-process means equal bit for bit
+// with one tower per rank and unit weights (the same additions in the same order).
+// Results are compared bit for bit across ranks (a hash of every output, gathered), across bucket
+// sizes, and between the two APIs. Every failure is provoked on one rank only: every rank throws,
+// none hangs, no output changes.
+#include <gradavg/gradavg.hpp>
+#include <gradavg/mpi.hpp>
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "catch.hpp"
+#include "reference.hpp"
+#include "support.hpp"
+
+namespace {
+
+using namespace gradavg_test;
+using half = Eigen::half;
+using bfloat16 = Eigen::bfloat16;
+
+/// MPI for the life of the program (main() is the suite's shared one): every rank runs every case
+/// in the same order; mpiexec fails when any rank's run fails.
+struct mpi_session {
+  mpi_session() { MPI_Init(nullptr, nullptr); }
+  ~mpi_session() { MPI_Finalize(); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+} const session;
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+/// FNV-1a of the outputs' bytes.
+template <class S>
+std::uint64_t hash_of(const std::vector<std::vector<S>>& outputs) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& v : outputs) {
+    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+    for (std::size_t i = 0; i < v.size() * sizeof(S); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+/// Whether every rank holds the same value.
+bool same_on_every_rank(std::uint64_t value) {
+  std::vector<std::uint64_t> all(static_cast<std::size_t>(world_size()));
+  MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  return std::all_of(all.begin(), all.end(), [&](std::uint64_t x) { return x == all[0]; });
+}
+
+template <class S>
+using entry = std::pair<const std::vector<S>*, std::string>;  // null: gradient absent
+template <class S>
+using towers_t = std::vector<std::vector<entry<S>>>;
+
+/// Every rank's towers, regenerated identically on every rank: variable i has sizes[i] elements,
+/// absent[i] means absent on every tower; rank r holds towers_of[r] towers.
+template <class S>
+struct world {
+  std::vector<std::size_t> sizes;
+  std::vector<bool> absent;
+  std::vector<std::size_t> towers_of;
+  std::vector<std::vector<std::vector<S>>> data;  // [global tower][variable]
+
+  world(std::vector<std::size_t> sizes_, std::vector<bool> absent_, std::vector<std::size_t> towers_of_, std::uint32_t seed)
+      : sizes(std::move(sizes_)), absent(std::move(absent_)), towers_of(std::move(towers_of_)) {
+    const std::size_t total = std::accumulate(towers_of.begin(), towers_of.end(), std::size_t{0});
+    for (std::size_t k = 0; k < total; ++k) {
+      data.emplace_back();
+      for (std::size_t i = 0; i < sizes.size(); ++i)
+        data.back().push_back(random_values<S>(sizes[i], seed * 7919u + static_cast<std::uint32_t>(k * 1000 + i)));
+    }
+  }
+
+  std::size_t first_tower(std::size_t r) const {
+    return std::accumulate(towers_of.begin(), towers_of.begin() + static_cast<std::ptrdiff_t>(r), std::size_t{0});
+  }
+  std::size_t total_towers() const { return data.size(); }
+
+  /// Towers [first, first + count) as entries.
+  towers_t<S> towers(std::size_t first, std::size_t count) const {
+    towers_t<S> t(count);
+    for (std::size_t k = 0; k < count; ++k)
+      for (std::size_t i = 0; i < sizes.size(); ++i)
+        t[k].emplace_back(absent[i] ? nullptr : &data[first + k][i], std::string("v").append(std::to_string(i)));
+    return t;
+  }
+  towers_t<S> local() const {
+    const std::size_t r = static_cast<std::size_t>(world_rank());
+    return towers(first_tower(r), towers_of[r]);
+  }
+  towers_t<S> all() const { return towers(0, total_towers()); }
+
+  /// Outputs filled with the sentinel (skipped variables' outputs must keep it).
+  template <class O = S>
+  std::vector<std::vector<O>> outputs() const {
+    std::vector<std::vector<O>> out;
+    for (std::size_t n : sizes) out.emplace_back(n, O(-1234.5f));
+    return out;
+  }
+
+  /// The double reference's means or squares of variable i over all towers.
+  std::vector<double> expected(std::size_t i, bool squares) const {
+    std::vector<const S*> ptrs;
+    for (const auto& t : data) ptrs.push_back(t[i].data());
+    const reference<S> ref(ptrs, sizes[i]);
+    return squares ? ref.square : ref.mean;
+  }
+  std::vector<double> scale_of(std::size_t i, bool squares) const {
+    std::vector<const S*> ptrs;
+    for (const auto& t : data) ptrs.push_back(t[i].data());
+    return magnitude<S>(ptrs, sizes[i], squares);
+  }
+};
+
+/// Tower counts per rank: the same count everywhere, or uneven (1, 2, 3, 1, ...).
+std::vector<std::size_t> layout(bool uneven, std::size_t same = 1) {
+  std::vector<std::size_t> t(static_cast<std::size_t>(world_size()), same);
+  if (uneven)
+    for (std::size_t r = 0; r < t.size(); ++r) t[r] = 1 + r % 3;
+  return t;
+}
+
+/// Requires outputs within the sum-over-all-towers tolerance of the double reference (16-bit
+/// outputs: within an ulp of their type as well), and the skipped ones untouched; the first
+/// `variables` only when given.
+template <class S, class O>
+void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out, bool squares,
+                       std::size_t variables = std::numeric_limits<std::size_t>::max()) {
+  for (std::size_t i = 0; i < std::min(w.sizes.size(), variables); ++i) {
+    if (w.absent[i]) {
+      for (O x : out[i]) CHECK(x == O(-1234.5f));
+      continue;
+    }
+    const auto want = w.expected(i, squares);
+    const auto scale = w.scale_of(i, squares);
+    const double t = (std::is_same_v<S, double> ? tolerance<double>(w.total_towers()) : tolerance<float>(w.total_towers())) +
+                     (std::is_same_v<O, half>       ? std::ldexp(1.0, -10)
+                      : std::is_same_v<O, bfloat16> ? std::ldexp(1.0, -7)
+                                                    : 0.0);
+    std::size_t bad = want.size();
+    for (std::size_t j = 0; j < want.size() && bad == want.size(); ++j)
+      if (!(std::abs(static_cast<double>(out[i][j]) - want[j]) <= t * scale[j] + 1e-30)) bad = j;
+    INFO("variable " << i << " element " << bad << (squares ? " (squares)" : " (means)"));
+    CHECK(bad == want.size());
+  }
+}
+
+template <class S>
+void check_against_references(bool uneven, bool squares, std::size_t fusion_bytes) {
+  const world<S> w({1, 7, 33, 1000, 5, 4097, 2}, {false, false, true, false, false, false, true}, layout(uneven), 11);
+  const auto local = w.local();
+  auto means = w.outputs();
+  auto sq = w.outputs();
+  gradavg::mpi::options opts;
+  opts.fusion_bytes = fusion_bytes;
+  gradavg::summary s;
+  if (squares) s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, sq, opts);
+  else s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
+  CHECK(s.averaged == 5);
+  CHECK(s.skipped == 2);
+  CHECK(s.towers == w.total_towers());
+  require_reference(w, means, false);
+  if (squares) require_reference(w, sq, true);
+  CHECK(same_on_every_rank(hash_of(means)));
+  if (squares) CHECK(same_on_every_rank(hash_of(sq)));
+
+  // The one-process call over all towers: the means bit for bit with one tower per rank (the
+  // same additions in the same order). Not the squares: one process fuses each tower's square
+  // into the running sum (multiply-add), across ranks each square is rounded before the sum.
+  const auto all = w.all();
+  auto one_means = w.outputs();
+  gradavg::average_gradients_into(all, one_means);
+  if (!uneven) CHECK(hash_of(means) == hash_of(one_means));
+
+  // Any bucket size gives the same bits: each element is summed the same way in every bucket.
+  auto other = w.outputs();
+  auto other_sq = w.outputs();
+  gradavg::mpi::options defaults;
+  if (squares) gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, other, other_sq, defaults);
+  else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, other, defaults);
+  CHECK(hash_of(other) == hash_of(means));
+  if (squares) CHECK(hash_of(other_sq) == hash_of(sq));
+}
+
+TEST_CASE("float: means and squares against the references, even and uneven towers, buckets splitting variables") {
+  // 4 * 7 + 4 = 32 bytes: buckets of 4 elements with squares, 8 without, splitting variables at
+  // odd offsets; 4097-element variable over hundreds of buckets.
+  for (bool uneven : {false, true})
+    for (bool squares : {false, true})
+      for (std::size_t bytes : {std::size_t{32}, std::size_t{4 * 1001}, std::size_t{12}}) {
+        INFO("uneven " << uneven << " squares " << squares << " fusion_bytes " << bytes);
+        check_against_references<float>(uneven, squares, bytes);
+      }
+}
+
+TEST_CASE("double: means and squares against the references") {
+  for (bool uneven : {false, true})
+    for (bool squares : {false, true}) check_against_references<double>(uneven, squares, 8 * 37);
+}
+
+TEMPLATE_TEST_CASE("16-bit gradients into 16-bit and into float outputs", "", half, bfloat16) {
+  using S = TestType;
+  const world<S> w({3, 129, 1000}, {false, false, false}, layout(true), 5);
+  const auto local = w.local();
+  auto means = w.outputs();
+  auto sq = w.outputs();
+  gradavg::mpi::options opts;
+  opts.fusion_bytes = 4 * 53;
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, sq, opts);
+  require_reference(w, means, false);
+  require_reference(w, sq, true);
+  CHECK(same_on_every_rank(hash_of(means)));
+
+  auto wide = w.template outputs<float>();
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, wide, opts);
+  require_reference(w, wide, false);
+  CHECK(same_on_every_rank(hash_of(wide)));
+
+  const world<S> one({3, 129, 1000}, {false, false, false}, layout(false), 6);
+  auto m1 = one.outputs();
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, one.local(), m1, opts);
+  auto m1_ref = one.outputs();
+  gradavg::average_gradients_into(one.all(), m1_ref);
+  CHECK(hash_of(m1) == hash_of(m1_ref));
+}
+
+TEST_CASE("threads inside each rank (options.threads = 2) give the same bits and the same non-finite report") {
+  // Buckets large enough to be split between threads (at least 1 MiB of traffic per chunk), a
+  // NaN in a variable that two chunks share.
+  world<float> w({300'000, 5, 400'000}, {false, false, false}, layout(true), 17);
+  const std::size_t last = w.total_towers() - 1;
+  w.data[last][2][200'000] = std::numeric_limits<float>::quiet_NaN();
+  const auto local = w.local();
+  gradavg::mpi::options opts;
+  opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.statistics = true;
+  auto one = w.outputs();
+  auto one_sq = w.outputs();
+  const auto s1 = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, one, one_sq, opts);
+  opts.threads = 2;
+  auto two = w.outputs();
+  auto two_sq = w.outputs();
+  const auto s2 = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, two, two_sq, opts);
+  CHECK(hash_of(one) == hash_of(two));
+  CHECK(hash_of(one_sq) == hash_of(two_sq));
+  CHECK(s1.nonfinite_variables == 1);
+  CHECK(s2.nonfinite_variables == 1);
+  CHECK(std::isnan(two[2][200'000]));
+  CHECK(std::isnan(s2.sum_mean_squared));
+  require_reference(w, two, false, 2);  // variable 2 holds the NaN
+}
+
+TEST_CASE("in place into tower 0's gradients") {
+  world<float> w({17, 300, 64}, {false, false, false}, layout(true, 2), 3);
+  const auto expect = w.expected(1, false);
+  const auto scale = w.scale_of(1, false);
+  const std::size_t first = w.first_tower(static_cast<std::size_t>(world_rank()));
+  towers_t<float> local = w.local();
+  std::vector<std::vector<float>*> means;
+  for (std::size_t i = 0; i < w.sizes.size(); ++i) means.push_back(&w.data[first][i]);
+  auto copy = w.outputs();
+  gradavg::mpi::options opts;
+  opts.fusion_bytes = 4 * 13;
+  // The expected bits: the same call into separate outputs, on an untouched copy of the towers.
+  const world<float> fresh({17, 300, 64}, {false, false, false}, layout(true, 2), 3);
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, fresh.local(), copy, opts);
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
+  for (std::size_t i = 0; i < w.sizes.size(); ++i) CHECK(same_bits(w.data[first][i].data(), copy[i].data(), w.sizes[i]));
+  CHECK(std::abs(w.data[first][1][5] - expect[5]) <= tolerance<float>(w.total_towers()) * scale[5]);
+}
+
+TEST_CASE("zero variables, and no elements in the range") {
+  const world<float> w({}, {}, layout(true), 1);
+  std::vector<std::vector<float>> none;
+  const auto s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), none);
+  CHECK(s.averaged == 0);
+  CHECK(s.skipped == 0);
+  CHECK(s.towers == w.total_towers());
+
+  const world<float> v({5, 6}, {false, false}, layout(true), 2);
+  auto out = v.outputs();
+  gradavg::mpi::options opts;
+  opts.range = {3, 3};
+  const auto r = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, v.local(), out, opts);
+  CHECK(r.averaged == 0);
+  for (const auto& o : out)
+    for (float x : o) CHECK(x == -1234.5f);
+}
+
+TEST_CASE("a partial range writes exactly the elements of one process's call with that range") {
+  const world<float> w({10, 1, 25, 7}, {false, true, false, false}, layout(false), 9);
+  auto out = w.outputs();
+  auto want = w.outputs();
+  gradavg::mpi::options opts;
+  opts.range = {4, 29};
+  opts.fusion_bytes = 4 * 5;
+  const auto s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), out, opts);
+  gradavg::options one;
+  one.range = opts.range;
+  const auto s1 = gradavg::average_gradients_into(w.all(), want, one);
+  CHECK(hash_of(out) == hash_of(want));
+  CHECK(s.averaged == s1.averaged);
+}
+
+TEST_CASE("weights, scale, non-finite detection and statistics: the one-process meaning over all towers") {
+  world<float> w({50, 7, 300}, {false, false, false}, layout(true), 21);
+  const std::size_t rank = static_cast<std::size_t>(world_rank());
+  const std::size_t total = w.total_towers();
+  std::vector<double> all_weights(total);
+  for (std::size_t k = 0; k < total; ++k) all_weights[k] = 0.5 + static_cast<double>(k % 4);
+  const std::size_t first = w.first_tower(rank);
+  const std::vector<double> mine(all_weights.begin() + static_cast<std::ptrdiff_t>(first),
+                                 all_weights.begin() + static_cast<std::ptrdiff_t>(first + w.towers_of[rank]));
+  // A NaN on the last rank's last tower, variable 1.
+  w.data[total - 1][1][3] = std::numeric_limits<float>::quiet_NaN();
+
+  for (auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
+    auto means = w.outputs();
+    auto sq = w.outputs();
+    std::vector<gradavg::variable_statistics> per(3);
+    gradavg::mpi::options opts;
+    opts.weights = mine;
+    opts.scale = 0.25;
+    opts.on_nonfinite = policy;
+    opts.statistics = true;
+    opts.samples_per_tower = 8;
+    opts.per_variable = per;
+    opts.fusion_bytes = 8 * 11;
+    const auto s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), means, sq, opts);
+
+    auto m1 = w.outputs();
+    auto q1 = w.outputs();
+    std::vector<gradavg::variable_statistics> per1(3);
+    gradavg::options one;
+    one.weights = all_weights;
+    one.scale = 0.25;
+    one.on_nonfinite = policy;
+    one.statistics = true;
+    one.samples_per_tower = 8;
+    one.per_variable = per1;
+    const auto s1 = gradavg::average_gradients_into(w.all(), m1, q1, one);
+
+    CHECK(s.nonfinite_variables == 1);
+    CHECK(s.nonfinite_variables == s1.nonfinite_variables);
+    CHECK(per[1].nonfinite);
+    CHECK_FALSE(per[0].nonfinite);
+    CHECK(s.towers == total);
+    CHECK(s.total_samples == s1.total_samples);
+    const double tol = 4 * tolerance<float>(total);
+    for (std::size_t i : {std::size_t{0}, std::size_t{2}}) {
+      for (std::size_t j = 0; j < w.sizes[i]; ++j) {
+        CHECK(std::abs(means[i][j] - m1[i][j]) <= tol * (std::abs(m1[i][j]) + 0.25f));
+        CHECK(std::abs(sq[i][j] - q1[i][j]) <= tol * (std::abs(q1[i][j]) + 0.0625f));
+      }
+      CHECK(per[i].sum_mean_squared == Approx(per1[i].sum_mean_squared).epsilon(1e-5));
+      CHECK(per[i].sum_mean_of_squares == Approx(per1[i].sum_mean_of_squares).epsilon(1e-5));
+    }
+    if (policy == gradavg::nonfinite_policy::zero) {
+      for (float x : means[1]) CHECK((x == 0 && !std::signbit(x)));
+      CHECK(s.sum_mean_squared == Approx(s1.sum_mean_squared).epsilon(1e-5));
+      CHECK(s.global_norm() > 0);
+    } else {
+      CHECK(std::isnan(means[1][3]));
+      CHECK(std::isnan(s.sum_mean_squared));
+    }
+    CHECK(same_on_every_rank(hash_of(means) ^ hash_of(sq)));
+  }
+}
+
+TEST_CASE("the allocating API: the same bits as average_gradients_into, skipped variables listed") {
+  const world<double> w({9, 4, 100}, {false, true, false}, layout(true), 4);
+  gradavg::mpi::options opts;
+  opts.include_square = true;
+  const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, w.local(), opts);
+  REQUIRE(r.gradients.size() == 2);
+  REQUIRE(r.squares.size() == 2);
+  REQUIRE(r.skipped.size() == 1);
+  CHECK(r.skipped[0].index == 1);
+  CHECK(r.skipped[0].variable == "v1");
+  CHECK(r.gradients[1].second == "v2");
+  auto means = w.outputs();
+  auto sq = w.outputs();
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), means, sq);
+  CHECK(same_bits(r.gradients[0].first.data(), means[0].data(), 9));
+  CHECK(same_bits(r.gradients[1].first.data(), means[2].data(), 100));
+  CHECK(same_bits(r.squares[1].first.data(), sq[2].data(), 100));
+}
+
+// ---- Failures on one rank only. ----
+
+/// Runs the call on every rank with the local towers of `local` and requires every rank to throw
+/// E (the failing rank F when given), outputs untouched. Returns this rank's message.
+template <class E, class F = E>
+std::string every_rank_throws(const towers_t<float>& local, std::vector<std::vector<float>>& out, int failing,
+                              const gradavg::mpi::options& opts = {}) {
+  const auto before = hash_of(out);
+  std::string message;
+  if (world_rank() == failing)
+    message = exception_of<F>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts); }).what();
+  else
+    message = exception_of<E>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts); }).what();
+  CHECK(hash_of(out) == before);
+  // Everyone is still in step: a collective after the error completes.
+  CHECK(same_on_every_rank(42));
+  return message;
+}
+
+TEST_CASE("a gradient missing on one tower of the last rank: missing_gradient_error on every rank") {
+  const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
+  const int last = world_size() - 1;
+  auto local = w.local();
+  if (world_rank() == last) local[0][1].first = nullptr;
+  auto out = w.outputs();
+  const std::string m = every_rank_throws<gradavg::missing_gradient_error>(local, out, last);
+  CHECK(contains(m, "variable #1 'v1'"));
+  CHECK(contains(m, "rank " + std::to_string(last) + " (tower 0 of"));
+}
+
+TEST_CASE("a gradient absent on every tower of one rank only: missing_gradient_error on every rank") {
+  const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
+  auto local = w.local();
+  if (world_rank() == 1)
+    for (auto& t : local) t[2].first = nullptr;
+  auto out = w.outputs();
+  const std::string m = every_rank_throws<gradavg::missing_gradient_error>(local, out, 1);
+  CHECK(contains(m, "variable #2 'v2'"));
+  CHECK(contains(m, "rank 1 (tower"));
+}
+
+TEST_CASE("a different shape on one rank: shape_error on every rank naming it") {
+  world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
+  std::vector<float> longer(9, 1.0f);
+  auto local = w.local();
+  if (world_rank() == 1)
+    for (auto& t : local) t[1].first = &longer;
+  auto out = w.outputs();
+  if (world_rank() == 1) out[1].resize(9, -1234.5f);
+  const std::string m = every_rank_throws<gradavg::shape_error>(local, out, 1);
+  CHECK(contains(m, "variable #1 'v1'"));
+  CHECK(contains(m, "[9] on rank 1 but shape [6] on rank 0"));
+}
+
+TEST_CASE("a different variable count on one rank: tower_error on every rank naming it") {
+  const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
+  auto local = w.local();
+  auto out = w.outputs();
+  if (world_rank() == 1) {
+    for (auto& t : local) t.pop_back();
+    out.pop_back();
+  }
+  const std::string m = every_rank_throws<gradavg::tower_error>(local, out, 1);
+  CHECK(contains(m, "rank 1 holds 2 variables but rank 0 holds 3"));
+}
+
+TEST_CASE("a different variable order on one rank: variable_mismatch_error on every rank") {
+  const world<float> w({5, 5, 7}, {false, false, false}, layout(true), 8);
+  auto local = w.local();
+  if (world_rank() == 1)
+    for (auto& t : local) std::swap(t[0], t[1]);
+  auto out = w.outputs();
+  const std::string m = every_rank_throws<gradavg::variable_mismatch_error>(local, out, 1);
+  CHECK(contains(m, "variable #0"));
+  CHECK(contains(m, "rank 1 has a different variable at this position than rank 0"));
+}
+
+TEST_CASE("a local validation error on one rank: its own error there, remote_error naming it elsewhere") {
+  const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
+  const auto local = w.local();
+  auto out = w.outputs();
+  const int last = world_size() - 1;
+  if (world_rank() == last) out[2].resize(3);  // the means output of variable 2 has the wrong size
+  const std::string m = every_rank_throws<gradavg::remote_error, gradavg::output_error>(local, out, last);
+  if (world_rank() == last) {
+    CHECK(contains(m, "variable #2 'v2'"));
+  } else {
+    CHECK(contains(m, "rank " + std::to_string(last)));
+    CHECK(contains(m, "variable #2"));
+  }
+}
+
+TEST_CASE("options that differ on one rank: option_error on every rank; bad weights there: its own error") {
+  const world<float> w({5, 6}, {false, false}, layout(true), 8);
+  const auto local = w.local();
+  auto out = w.outputs();
+  gradavg::mpi::options opts;
+  if (world_rank() == 1) opts.scale = 2;
+  const std::string m = every_rank_throws<gradavg::option_error>(local, out, 1, opts);
+  CHECK(contains(m, "rank 1"));
+
+  gradavg::mpi::options bad;
+  std::vector<double> weights(w.towers_of[static_cast<std::size_t>(world_rank())] + 1, 1.0);
+  if (world_rank() == 0) bad.weights = weights;  // one too many
+  every_rank_throws<gradavg::remote_error, gradavg::weight_error>(local, out, 0, bad);
+}
+
+TEST_CASE("the allocating API: a rank whose own call is invalid throws its error, every other rank remote_error") {
+  const world<float> w({5, 6}, {false, false}, layout(true), 8);
+  const auto local = w.local();
+  gradavg::mpi::options opts;
+  if (world_rank() == 1) opts.range = {0, 3};  // a range is for average_gradients_into only
+  if (world_rank() == 1) {
+    const auto e = exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts); });
+    CHECK(contains(e.what(), "options.range"));
+  } else {
+    const auto e = exception_of<gradavg::remote_error>([&] { gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts); });
+    CHECK(contains(e.what(), "rank 1"));
+  }
+  CHECK(same_on_every_rank(7));
+}
+
+}  // namespace
