@@ -68,16 +68,10 @@ std::optional<config> parse_args(int argc, char** argv) {
 
 int train(const config& cfg) {
   random_source rng(20240601);
-  Eigen::VectorXf u = normal_vector(features, rng).normalized();
-  Eigen::VectorXf v = normal_vector(features, rng);
-  v = (v - v.dot(u) * u).normalized();
-  const dataset train_set = make_dataset(train_size, u, v, rng);
-  const dataset test_set = make_dataset(test_size, u, v, rng);
-
-  parameters model;
-  model.w1 = Eigen::MatrixXf::NullaryExpr(hidden_units, features, [&] { return rng.normal(); });
-  model.w1 /= std::sqrt(float{features});
-  model.w2 = normal_vector(hidden_units, rng) / std::sqrt(float{hidden_units});
+  problem start = make_problem(rng);
+  const dataset& train_set = start.train_set;
+  const dataset& test_set = start.test_set;
+  parameters& model = start.model;
   parameters velocity;             // momentum buffer, zero
   parameters full_batch_gradient;  // for the first step's check
 

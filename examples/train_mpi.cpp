@@ -74,15 +74,10 @@ std::uint64_t fingerprint(parameters& p) {
 int train(const config& cfg, int rank, int ranks) {
   // Every rank generates the same data and initial model from the same seed.
   random_source rng(20240601);
-  Eigen::VectorXf u = normal_vector(features, rng).normalized();
-  Eigen::VectorXf v = normal_vector(features, rng);
-  v = (v - v.dot(u) * u).normalized();
-  const dataset train_set = make_dataset(train_size, u, v, rng);
-  const dataset test_set = make_dataset(test_size, u, v, rng);
-  parameters model;
-  model.w1 = Eigen::MatrixXf::NullaryExpr(hidden_units, features, [&] { return rng.normal(); });
-  model.w1 /= std::sqrt(float{features});
-  model.w2 = normal_vector(hidden_units, rng) / std::sqrt(float{hidden_units});
+  problem start = make_problem(rng);
+  const dataset& train_set = start.train_set;
+  const dataset& test_set = start.test_set;
+  parameters& model = start.model;
   parameters velocity;
 
   const int towers = cfg.towers;

@@ -110,4 +110,23 @@ inline evaluation evaluate(const parameters& p, const dataset& d) {
   return {mean_loss(f.logits, d.y.array()), static_cast<float>(correct) / static_cast<float>(d.y.size())};
 }
 
+/// The training and held-out sets and the initial model, drawn from rng in this order: the same
+/// for the same seed (on every rank of a job).
+struct problem {
+  dataset train_set;
+  dataset test_set;
+  parameters model;
+};
+
+inline problem make_problem(random_source& rng) {
+  Eigen::VectorXf u = normal_vector(features, rng).normalized();
+  Eigen::VectorXf v = normal_vector(features, rng);
+  v = (v - v.dot(u) * u).normalized();
+  problem p{make_dataset(train_size, u, v, rng), make_dataset(test_size, u, v, rng), {}};
+  p.model.w1 = Eigen::MatrixXf::NullaryExpr(hidden_units, features, [&] { return rng.normal(); });
+  p.model.w1 /= std::sqrt(float{features});
+  p.model.w2 = normal_vector(hidden_units, rng) / std::sqrt(float{hidden_units});
+  return p;
+}
+
 }  // namespace two_class
