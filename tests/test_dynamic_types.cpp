@@ -3,11 +3,13 @@
 // naming the variable, other exceptions reaching the caller unchanged with nothing written.
 #include <gradavg/gradavg.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -26,6 +28,7 @@ struct any_tensor {
   std::vector<std::int64_t> dims;
   std::vector<double> storage;  // 8-byte aligned room for the elements, of whichever type
   const char* fail = nullptr;   // name of the traits function that throws std::runtime_error
+  const std::thread::id* only_on = nullptr;  // when set, data() throws on any other thread
 };
 
 template <class S>
@@ -54,6 +57,8 @@ const S* elements(const any_tensor& t) {
 inline void maybe_fail(const any_tensor& t, const char* function) {
   if (t.fail != nullptr && std::strcmp(t.fail, function) == 0)
     throw std::runtime_error(std::string("user: ") + function + " failed");
+  if (t.only_on != nullptr && std::strcmp(function, "data") == 0 && std::this_thread::get_id() != *t.only_on)
+    throw std::runtime_error("user: data on another thread");
 }
 
 }  // namespace user
@@ -371,5 +376,35 @@ TEST_CASE("an exception from any tensor_traits function reaches the caller uncha
         }
       }
     }
+  }
+}
+
+TEST_CASE("an exception from a tensor_traits function on a worker thread, in the pass, reaches the caller") {
+  // With more than 256 buffers and aliasing none, validation keeps no layout: the pass reads
+  // data() again, on each of the call's threads. 2 towers, a variable of 2^20 floats split
+  // between 2 threads and 99 of one float; data() throws off the caller's thread.
+  const std::int64_t n = std::int64_t{1} << 20;
+  const std::size_t variables = 100;
+  const std::thread::id caller = std::this_thread::get_id();
+  std::vector<std::vector<any_tensor>> grads(2);
+  std::vector<any_tensor> means;
+  for (std::size_t i = 0; i < variables; ++i) {
+    const std::int64_t size = i == 0 ? n : 1;
+    for (std::size_t k = 0; k < 2; ++k) {
+      grads[k].push_back(user::make_tensor(std::vector<float>(static_cast<std::size_t>(size), k == 0 ? 1.0f : 3.0f), {size}));
+      grads[k].back().only_on = &caller;
+    }
+    means.push_back(user::make_tensor(std::vector<float>(static_cast<std::size_t>(size)), {size}));
+  }
+  const gradavg::options two_threads{.aliasing = gradavg::alias_check::none, .threads = 2};
+  CHECK(gradavg_test::message_of<std::runtime_error>([&] {
+          gradavg::average_gradients_into(towers_of(grads), means, two_threads);
+        }) == "user: data on another thread");
+
+  // On the caller's thread alone the same call succeeds: the exception came from the worker.
+  gradavg::average_gradients_into(towers_of(grads), means, {.aliasing = gradavg::alias_check::none, .threads = 1});
+  for (std::size_t i = 0; i < variables; ++i) {
+    const float* m = user::elements<float>(means[i]);
+    CHECK(std::all_of(m, m + (i == 0 ? n : 1), [](float x) { return x == 2.0f; }));
   }
 }
