@@ -490,7 +490,7 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
   if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
     throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
   std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
-  auto make = [element](const shape& dims) {
+  auto make = [&](const shape& dims) {
     if constexpr (dynamic_tensor<R>)
       return tensor_traits<R>::make(dims, element);
     else
