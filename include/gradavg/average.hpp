@@ -490,11 +490,12 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
   if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
     throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
   std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
+  using G = gradient_tensor_t<TG>;  // its tensor_traits make the results (of type R)
   auto make = [&](const shape& dims) {
-    if constexpr (dynamic_tensor<R>)
-      return tensor_traits<R>::make(dims, element);
+    if constexpr (dynamic_tensor<G>)
+      return tensor_traits<G>::make(dims, element);
     else
-      return tensor_traits<R>::make(dims);
+      return tensor_traits<G>::make(dims);
   };
   for (std::size_t i = 0; i < variable_count; ++i) {
     const auto g0 = read_gradient(tower_grads, 0, i);
