@@ -29,6 +29,7 @@ struct any_tensor {
   std::vector<double> storage;  // 8-byte aligned room for the elements, of whichever type
   const char* fail = nullptr;   // name of the traits function that throws std::runtime_error
   const std::thread::id* only_on = nullptr;  // when set, data() throws on any other thread
+  bool adapter_error = false;                // shape() throws a gradavg::weight_error naming no variable
 };
 
 template <class S>
@@ -87,6 +88,7 @@ struct gradavg::tensor_traits<user::any_tensor> {
   }
   static gradavg::shape shape(const T& t) {
     user::maybe_fail(t, "shape");
+    if (t.adapter_error) throw gradavg::weight_error("gradavg: an adapter's error of a derived type");
     return gradavg::shape::from_dims(t.dims);
   }
   static result_type make(const gradavg::shape& s, gradavg::element_type e) {
@@ -407,4 +409,18 @@ TEST_CASE("an exception from a tensor_traits function on a worker thread, in the
     const float* m = user::elements<float>(means[i]);
     CHECK(std::all_of(m, m + (i == 0 ? n : 1), [](float x) { return x == 2.0f; }));
   }
+}
+
+TEST_CASE("a gradavg::error of any type from a tensor_traits function keeps its type, naming the variable") {
+  // weight_error derives from option_error: the most derived type is kept.
+  const std::size_t towers = 3;
+  auto grads = tensors_of(random_gradients<float>(towers, 3), towers);
+  grads[1][0].adapter_error = true;
+  auto means = outputs_of<float>();
+  const auto before = means;
+  const auto e = gradavg_test::exception_of<gradavg::weight_error>(
+      [&] { gradavg::average_gradients_into(towers_of(grads), means); });
+  CHECK(e.variable_index() == 0);
+  CHECK(std::string(e.what()) == "variable #0 'v0': gradient on tower 1: an adapter's error of a derived type");
+  CHECK(storage_unchanged<float>(means, before));
 }

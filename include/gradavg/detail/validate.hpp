@@ -242,32 +242,30 @@ std::string describe_variable_at(const TG& tg, std::size_t i) {
   });
 }
 
+/// Throws, with message and variable index i, an exception of the first of Types that e is (most
+/// derived types first), or a gradavg::error.
+template <class Type, class... Types>
+[[noreturn]] void throw_same_type(const error& e, const std::string& message, std::size_t i) {
+  if (dynamic_cast<const Type*>(&e) != nullptr) throw Type(message, i);
+  if constexpr (sizeof...(Types) > 0)
+    throw_same_type<Types...>(e, message, i);
+  else
+    throw error(message, i);
+}
+
+/// Inside a catch block: rethrows the current exception, and a gradavg::error that names no
+/// variable as one of the same type naming variable i and `what` (e.g. "gradient on tower 2").
 template <class TG>
 void rethrow_located(const TG& tg, std::size_t i, const std::string& what) {
-  auto located = [&](const error& e) {
-    std::string message = e.what();
-    if (message.rfind("gradavg: ", 0) == 0) message.erase(0, 9);
-    return describe_variable_at(tg, i) + ": " + what + ": " + message;
-  };
   try {
     throw;
   } catch (const error& e) {
     if (e.variable_index() != error::npos) throw;
-    try {
-      throw;
-    } catch (const shape_error&) {
-      throw shape_error(located(e), i);
-    } catch (const element_type_error&) {
-      throw element_type_error(located(e), i);
-    } catch (const unsupported_tensor_error&) {
-      throw unsupported_tensor_error(located(e), i);
-    } catch (const output_error&) {
-      throw output_error(located(e), i);
-    } catch (const missing_gradient_error&) {
-      throw missing_gradient_error(located(e), i);
-    } catch (const error&) {
-      throw error(located(e), i);
-    }
+    std::string message = e.what();
+    if (message.rfind("gradavg: ", 0) == 0) message.erase(0, 9);
+    throw_same_type<weight_error, option_error, tower_error, shape_error, element_type_error, unsupported_tensor_error,
+                    missing_gradient_error, variable_mismatch_error, output_error, aliasing_error>(
+        e, describe_variable_at(tg, i) + ": " + what + ": " + message, i);
   }
 }
 
