@@ -274,6 +274,33 @@ TEST_CASE("threads inside each rank (options.threads = 2) give the same bits and
   require_reference(w, two, false, 2);  // variable 2 holds the NaN
 }
 
+TEMPLATE_TEST_CASE("options.streaming_stores: the same bits as ordinary stores, NaNs included", "", float, double) {
+  // Sizes around packet widths and buckets that start mid-variable: unaligned heads, packets and
+  // tails of the unpacking loop. A NaN and an infinity in the packet part of variable 2.
+  world<TestType> w({1, 15, 1000, 33, 4097}, {false, false, false, true, false}, layout(true), 21);
+  w.data[0][2][100] = std::numeric_limits<TestType>::quiet_NaN();
+  w.data[w.total_towers() - 1][2][300] = std::numeric_limits<TestType>::infinity();
+  const auto local = w.local();
+  for (std::size_t fusion_bytes : {std::size_t{8 * 37}, gradavg::mpi::default_fusion_bytes}) {
+    INFO("fusion_bytes " << fusion_bytes);
+    gradavg::mpi::options opts;
+    opts.fusion_bytes = fusion_bytes;
+    auto plain = w.template outputs<TestType>();
+    auto plain_sq = w.template outputs<TestType>();
+    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, plain, plain_sq, opts);
+    opts.streaming_stores = true;
+    auto streamed = w.template outputs<TestType>();
+    auto streamed_sq = w.template outputs<TestType>();
+    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, streamed, streamed_sq, opts);
+    CHECK(hash_of(streamed) == hash_of(plain));
+    CHECK(hash_of(streamed_sq) == hash_of(plain_sq));
+    CHECK(std::isnan(streamed[2][100]));
+    CHECK(std::isinf(streamed[2][300]));
+    for (TestType x : streamed[3]) CHECK(x == TestType(-1234.5f));  // skipped: untouched
+    require_reference(w, streamed, false, 2);
+  }
+}
+
 TEST_CASE("in place into tower 0's gradients") {
   world<float> w({17, 300, 64}, {false, false, false}, layout(true, 2), 3);
   const auto expect = w.expected(1, false);
