@@ -148,23 +148,10 @@ template <class M>
     return m.get();
 }
 
-}  // namespace detail
-
-/// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
-/// the batch, on its own thread) into replica 0's .grad() tensors, in place, and copies the result
-/// into every other replica's, so each replica's optimizer takes the same step.
-///
-/// Variables are the parameters in named_parameters() order (recursively), named in messages;
-/// every replica must list the same names in the same order (variable_mismatch_error, or
-/// tower_error for different counts: towers are replicas). A parameter whose requires_grad is
-/// false counts as having no gradient. A parameter without a gradient on every replica is skipped
-/// and listed in the report; without one on some replicas only, it is missing_gradient_error. The
-/// gradients must be as torch::Tensor gradients (see the file comment): one dtype, CPU, contiguous,
-/// the same shapes. Everything is checked before anything is written. options pass through
-/// (threads, the fused statistics); options.per_variable, when given, has one entry per
-/// parameter, skipped ones included. A null replica is a tower_error.
-inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
-                                              const options& opts = {}) {
+/// The replicas' parameters as towers of (gradient, name) entries, averaged by
+/// average(towers, means) in place into replica 0's gradients, then copied to the other replicas.
+template <class Average>
+module_report average_replicas(std::span<::torch::nn::Module* const> replicas, Average&& average) {
   const std::size_t k_count = replicas.size();
   for (std::size_t k = 0; k < k_count; ++k)
     if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
@@ -187,7 +174,7 @@ inline module_report average_module_gradients(std::span<::torch::nn::Module* con
     for (const auto& e : tg[0]) means.push_back(e.first);
   }
   module_report result;
-  result.report = average_gradients_into(tg, means, opts);
+  result.report = average(tg, means);
   for (std::size_t i = 0; i < means.size(); ++i) {
     if (!means[i].defined()) {
       result.skipped.emplace_back(tg[0][i].second);
@@ -196,6 +183,26 @@ inline module_report average_module_gradients(std::span<::torch::nn::Module* con
     for (std::size_t k = 1; k < k_count; ++k) tg[k][i].first.copy_(means[i]);
   }
   return result;
+}
+
+}  // namespace detail
+
+/// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
+/// the batch, on its own thread) into replica 0's .grad() tensors, in place, and copies the result
+/// into every other replica's, so each replica's optimizer takes the same step.
+///
+/// Variables are the parameters in named_parameters() order (recursively), named in messages;
+/// every replica must list the same names in the same order (variable_mismatch_error, or
+/// tower_error for different counts: towers are replicas). A parameter whose requires_grad is
+/// false counts as having no gradient. A parameter without a gradient on every replica is skipped
+/// and listed in the report; without one on some replicas only, it is missing_gradient_error. The
+/// gradients must be as torch::Tensor gradients (see the file comment): one dtype, CPU, contiguous,
+/// the same shapes. Everything is checked before anything is written. options pass through
+/// (threads, the fused statistics); options.per_variable, when given, has one entry per
+/// parameter, skipped ones included. A null replica is a tower_error.
+inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
+                                              const options& opts = {}) {
+  return detail::average_replicas(replicas, [&](const auto& tg, auto& means) { return average_gradients_into(tg, means, opts); });
 }
 
 /// The same for any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder (the

@@ -1,0 +1,323 @@
+// torch::Tensor gradients across processes (gradavg/mpi.hpp with run-time element types, and
+// gradavg/torch_mpi.hpp's module helper) under mpiexec; ctest runs it with 2 and 3 ranks, each
+// with a timeout. Rank r holds r + 1 towers (replicas). Every rank regenerates every rank's
+// gradients from a seed, so each can compute the references itself: the same call through
+// std::span gradients of the static element type (bit for bit: the dispatch picked that kernel),
+// and torch's double mean over all towers of all ranks. Results are compared bit for bit across
+// ranks. Failures are provoked on one rank only: every rank throws, nothing is written.
+#include <gradavg/torch_mpi.hpp>
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "catch.hpp"
+#include "support.hpp"
+
+namespace {
+
+using gradavg_test::contains;
+using gradavg_test::exception_of;
+
+/// MPI for the life of the program (main() is the suite's shared one).
+struct mpi_session {
+  mpi_session() { MPI_Init(nullptr, nullptr); }
+  ~mpi_session() { MPI_Finalize(); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+} const session;
+
+std::size_t world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return static_cast<std::size_t>(r);
+}
+std::size_t world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return static_cast<std::size_t>(n);
+}
+/// Rank r's first tower and tower count (r + 1 towers each).
+std::size_t first_tower(std::size_t r) { return r * (r + 1) / 2; }
+std::size_t total_towers() { return first_tower(world_size()); }
+
+/// FNV-1a of the tensors' bytes (undefined ones hash as a marker).
+std::uint64_t hash_of(const std::vector<at::Tensor>& tensors) {
+  std::uint64_t h = 1469598103934665603ull;
+  auto mix = [&](const void* data, std::size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  };
+  for (const auto& t : tensors) {
+    if (!t.defined()) {
+      mix("undefined", 9);
+      continue;
+    }
+    const at::Tensor c = t.contiguous();
+    mix(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size());
+  }
+  return h;
+}
+
+bool same_on_every_rank(std::uint64_t value) {
+  std::vector<std::uint64_t> all(world_size());
+  MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
+  return std::all_of(all.begin(), all.end(), [&](std::uint64_t x) { return x == all[0]; });
+}
+
+using entry = std::pair<at::Tensor, std::string>;
+using towers_t = std::vector<std::vector<entry>>;
+
+/// Every rank's towers, the same on every rank: variable i has shape sizes[i].
+towers_t all_towers(const std::vector<std::vector<std::int64_t>>& sizes, at::ScalarType dtype, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  towers_t tg(total_towers());
+  for (auto& tower : tg)
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      tower.emplace_back(torch::randn(sizes[i]).to(dtype), "v" + std::to_string(i));
+  return tg;
+}
+
+towers_t local_towers(const towers_t& all) {
+  const std::size_t r = world_rank();
+  return towers_t(all.begin() + static_cast<std::ptrdiff_t>(first_tower(r)),
+                  all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
+}
+
+std::vector<at::Tensor> outputs_like(const towers_t& tg, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  for (const auto& e : tg[0]) out.push_back(torch::full(e.first.sizes(), -7.0, torch::dtype(dtype)));
+  return out;
+}
+
+at::Tensor reference_mean(const towers_t& all, std::size_t i) {
+  std::vector<at::Tensor> g;
+  for (const auto& tower : all) g.push_back(tower[i].first.to(at::kDouble));
+  return torch::stack(g).mean(0);
+}
+
+/// The same call through std::span<const S> gradients into std::vector<O> outputs.
+template <class S, class O>
+std::vector<std::vector<O>> span_path(const towers_t& tg, const gradavg::mpi::options& opts) {
+  std::vector<std::vector<std::pair<std::span<const S>, std::string>>> st(tg.size());
+  for (std::size_t k = 0; k < tg.size(); ++k)
+    for (const auto& [g, name] : tg[k])
+      st[k].emplace_back(std::span<const S>(static_cast<const S*>(g.data_ptr()), static_cast<std::size_t>(g.numel())),
+                         name);
+  std::vector<std::vector<O>> means;
+  for (const auto& e : tg[0]) means.emplace_back(static_cast<std::size_t>(e.first.numel()));
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, st, means, opts);
+  return means;
+}
+
+template <class S, class O>
+void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double tolerance) {
+  const towers_t all = all_towers({{4, 5}, {3000}, {}, {7, 3, 2}}, dtype, 17);
+  const towers_t local = local_towers(all);
+  for (std::size_t fusion_bytes : {std::size_t{60}, gradavg::mpi::default_fusion_bytes}) {
+    INFO("fusion_bytes " << fusion_bytes);
+    gradavg::mpi::options opts;
+    opts.fusion_bytes = fusion_bytes;
+    auto means = outputs_like(local, out_dtype);
+    const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
+    CHECK(s.averaged == 4);
+    CHECK(s.towers == total_towers());
+    const auto want = span_path<S, O>(local, opts);
+    for (std::size_t i = 0; i < means.size(); ++i) {
+      INFO("variable " << i);
+      CHECK(means[i].scalar_type() == out_dtype);
+      CHECK(gradavg_test::same_bits(static_cast<const O*>(means[i].data_ptr()), want[i].data(), want[i].size()));
+      const at::Tensor ref = reference_mean(all, i);
+      CHECK((means[i].to(at::kDouble) - ref).abs().max().item<double>() <= tolerance * (ref.abs().max().item<double>() + 1e-30));
+    }
+    CHECK(same_on_every_rank(hash_of(means)));
+  }
+}
+
+struct NetImpl : torch::nn::Cloneable<NetImpl> {
+  NetImpl() { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+    frozen = register_module("frozen", torch::nn::Linear(3, 3));
+    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return frozen(fc2(torch::relu(fc1(x)))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
+};
+TORCH_MODULE(Net);
+
+/// Every rank's replicas (all of them, on every rank) of one model, each with the gradient of its
+/// own 8 rows of a batch.
+std::vector<Net> all_replicas(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Net model;
+  const std::size_t k_count = total_towers();
+  std::vector<Net> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
+  for (auto& replica : r)
+    for (auto& p : replica->frozen->parameters()) p.set_requires_grad(false);
+  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
+  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto rows = torch::indexing::Slice(static_cast<std::int64_t>(8 * k), static_cast<std::int64_t>(8 * (k + 1)));
+    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
+  }
+  return r;
+}
+
+std::vector<Net> local_replicas(const std::vector<Net>& all) {
+  const std::size_t r = world_rank();
+  return std::vector<Net>(all.begin() + static_cast<std::ptrdiff_t>(first_tower(r)),
+                          all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
+}
+
+std::vector<at::Tensor> gradients_of(const Net& m) {
+  std::vector<at::Tensor> g;
+  for (const auto& p : m->parameters()) g.push_back(p.grad());
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("every dtype across ranks: the bits of the span path, the same on every rank, close to the double mean") {
+  // Tolerances relative to the largest |mean|: the sum's rounding, and the output's for 16 bits.
+  check_dtype<float, float>(at::kFloat, at::kFloat, 1e-6);
+  check_dtype<double, double>(at::kDouble, at::kDouble, 1e-14);
+  check_dtype<Eigen::half, Eigen::half>(at::kHalf, at::kHalf, 0x1p-10);
+  check_dtype<Eigen::half, float>(at::kHalf, at::kFloat, 1e-6);
+  check_dtype<Eigen::bfloat16, Eigen::bfloat16>(at::kBFloat16, at::kBFloat16, 0x1p-7);
+  check_dtype<Eigen::bfloat16, float>(at::kBFloat16, at::kFloat, 1e-6);
+}
+
+TEST_CASE("the allocating API across ranks returns tensors of the gradients' dtype, the bits of the into call") {
+  const towers_t all = all_towers({{3, 2}, {50}}, at::kBFloat16, 3);
+  const towers_t local = local_towers(all);
+  gradavg::mpi::options opts;
+  opts.include_square = true;
+  const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts);
+  REQUIRE(r.gradients.size() == 2);
+  auto means = outputs_like(local, at::kBFloat16);
+  auto squares = outputs_like(local, at::kBFloat16);
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, squares);
+  std::vector<at::Tensor> got_means, got_squares;
+  for (std::size_t i = 0; i < 2; ++i) {
+    INFO("variable " << i);
+    CHECK(r.gradients[i].first.scalar_type() == at::kBFloat16);
+    CHECK(r.gradients[i].first.sizes() == local[0][i].first.sizes());
+    CHECK(r.gradients[i].second == "v" + std::to_string(i));
+    got_means.push_back(r.gradients[i].first);
+    got_squares.push_back(r.squares[i].first);
+  }
+  CHECK(hash_of(got_means) == hash_of(means));
+  CHECK(hash_of(got_squares) == hash_of(squares));
+  CHECK(same_on_every_rank(hash_of(got_means) ^ hash_of(got_squares)));
+}
+
+TEST_CASE("module replicas across ranks: every replica of every rank holds the mean over all of them") {
+  auto all = all_replicas(23);
+  // References before the call, from every replica's own gradient.
+  const std::size_t parameter_count = all[0]->parameters().size();
+  std::vector<at::Tensor> want(parameter_count);
+  for (std::size_t i = 0; i < parameter_count; ++i) {
+    std::vector<at::Tensor> g;
+    for (const auto& m : all)
+      if (m->parameters()[i].grad().defined()) g.push_back(m->parameters()[i].grad().to(at::kDouble));
+    if (!g.empty()) want[i] = torch::stack(g).mean(0);
+  }
+  auto local = local_replicas(all);
+  gradavg::mpi::options opts;
+  opts.statistics = true;
+  const auto r = gradavg::torch::average_module_gradients(MPI_COMM_WORLD, local, opts);
+  CHECK(r.report.averaged == 4);
+  CHECK(r.report.towers == total_towers());
+  CHECK(r.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
+  const auto g0 = gradients_of(local[0]);
+  double sum_squares = 0;
+  for (std::size_t i = 0; i < parameter_count; ++i) {
+    INFO("parameter " << i);
+    REQUIRE(g0[i].defined() == want[i].defined());
+    if (!want[i].defined()) continue;
+    CHECK((g0[i].to(at::kDouble) - want[i]).abs().max().item<double>() <= 1e-6 * want[i].abs().max().item<double>());
+    sum_squares += want[i].square().sum().item<double>();
+  }
+  CHECK(std::abs(r.report.sum_mean_squared - sum_squares) <= 1e-6 * sum_squares);
+  for (const auto& m : local) CHECK(hash_of(gradients_of(m)) == hash_of(g0));
+  CHECK(same_on_every_rank(hash_of(g0)));
+}
+
+TEST_CASE("another dtype on one rank: option_error on every rank naming it, nothing written") {
+  const towers_t all = all_towers({{4}, {5}}, at::kFloat, 5);
+  towers_t local = local_towers(all);
+  const std::size_t last = world_size() - 1;
+  if (world_rank() == last)
+    for (auto& tower : local)
+      for (auto& e : tower) e.first = e.first.to(at::kDouble);
+  auto means = outputs_like(local, world_rank() == last ? at::kDouble : at::kFloat);
+  const auto before = hash_of(means);
+  const std::string m =
+      exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); })
+          .what();
+  CHECK(contains(m, "rank " + std::to_string(last)));
+  CHECK(contains(m, "float64 gradients into float64 outputs"));
+  CHECK(hash_of(means) == before);
+  CHECK(same_on_every_rank(42));
+}
+
+TEST_CASE("mixed dtypes within one rank: element_type_error there, remote_error elsewhere, nothing written") {
+  const towers_t all = all_towers({{4}, {5}}, at::kFloat, 6);
+  towers_t local = local_towers(all);
+  const std::size_t last = world_size() - 1;
+  if (world_rank() == last) local.back()[1].first = local.back()[1].first.to(at::kHalf);
+  auto means = outputs_like(local, at::kFloat);
+  const auto before = hash_of(means);
+  auto call = [&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); };
+  if (world_rank() == last) {
+    CHECK(contains(exception_of<gradavg::element_type_error>(call).what(), "variable #1 'v1'"));
+  } else {
+    CHECK(contains(exception_of<gradavg::remote_error>(call).what(), "rank " + std::to_string(last)));
+  }
+  CHECK(hash_of(means) == before);
+  CHECK(same_on_every_rank(42));
+}
+
+TEST_CASE("a module whose parameters differ on one rank: variable_mismatch_error on every rank, no gradient changed") {
+  auto all = all_replicas(29);
+  auto local = local_replicas(all);
+  std::vector<std::uint64_t> before;
+  for (const auto& m : local) before.push_back(hash_of(gradients_of(m)));
+  // One rank's model lists its layers in another order: same count, different names in place.
+  struct OtherImpl : torch::nn::Module {
+    OtherImpl() {
+      fc2 = register_module("fc2", torch::nn::Linear(16, 3));
+      fc1 = register_module("fc1", torch::nn::Linear(6, 16));
+      frozen = register_module("frozen", torch::nn::Linear(3, 3));
+    }
+    torch::nn::Linear fc2{nullptr}, fc1{nullptr}, frozen{nullptr};
+  };
+  // Rank 1's replicas all of that model: consistent within the rank, not with the others.
+  std::vector<std::shared_ptr<OtherImpl>> others;
+  std::vector<torch::nn::Module*> modules;
+  for (auto& m : local) {
+    modules.push_back(m.get());
+    if (world_rank() != 1) continue;
+    others.push_back(std::make_shared<OtherImpl>());
+    for (auto& p : others.back()->parameters()) p.mutable_grad() = torch::zeros_like(p);
+    modules.back() = others.back().get();
+  }
+  const std::string m = exception_of<gradavg::variable_mismatch_error>([&] {
+                          gradavg::torch::average_module_gradients(MPI_COMM_WORLD, std::span(modules));
+                        }).what();
+  CHECK(!m.empty());
+  for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
+  CHECK(same_on_every_rank(42));
+}
