@@ -5,7 +5,7 @@
 # scale), when MPI is installed, the data-parallel job across 2 processes (mpiexec -n 2,
 # 2 towers each), and, when libtorch is installed, libtorch replicas on threads learning
 # scikit-learn's handwritten digits (scripts/fetch-digits.sh gets them from Debian's
-# python3-sklearn package). Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
+# python3-sklearn package), then the same across 2 processes when MPI is installed too. Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/demo"
@@ -31,6 +31,7 @@ if [ -x "$build/examples/train_mpi" ]; then
   if mpiexec --version 2>/dev/null | grep -Eq "Open MPI|OpenRTE"; then preflags=(--oversubscribe); fi
   if [ "$(id -u)" -eq 0 ] && ((${#preflags[@]})); then preflags+=(--allow-run-as-root); fi
   mpiexec -n 2 "${preflags[@]}" "$build/examples/train_mpi" --towers 2 --steps 600
+  mpi=1
 else
   echo
   echo "== examples/train_mpi.cpp: not built (no MPI; scripts/install-deps.sh installs Open MPI)"
@@ -41,4 +42,9 @@ if [[ -x "$build/examples/train_torch_threads" ]]; then
   echo "== examples/train_torch_threads.cpp"
   digits="$(bash scripts/fetch-digits.sh "${GRADAVG_BUILD_ROOT:-build}/data")"
   "$build/examples/train_torch_threads" --data "$digits"
+  if [[ -n "${mpi:-}" && -x "$build/examples/train_torch_mpi" ]]; then
+    echo
+    echo "== examples/train_torch_mpi.cpp (mpiexec -n 2, 2 replicas each)"
+    mpiexec -n 2 "${preflags[@]}" "$build/examples/train_torch_mpi" --data "$digits" --replicas 2
+  fi
 fi
