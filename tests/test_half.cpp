@@ -356,3 +356,56 @@ TEST_CASE("16-bit results are bitwise identical for 1, 2, 3 and 8 threads and a 
     require_same_for_every_thread_count<float>(w, opts, fused_tolerance<float>(17));
   }
 }
+
+namespace {
+
+/// Streaming stores against ordinary ones into outputs of type O at every offset of a 64-byte
+/// line: the same bits, nothing written outside the outputs. T = 3 (one group of towers) and 20
+/// (the blocked path); plain, and with statistics (which keep the steps where they are).
+template <class S, class O>
+void check_streaming(const gradavg::options& base) {
+  const std::size_t n = 1000;
+  for (std::size_t towers : {3u, 20u}) {
+    std::vector<std::vector<S>> data(towers);
+    std::mt19937 rng(static_cast<std::uint32_t>(towers));
+    std::uniform_real_distribution<float> value(-4.0f, 4.0f);
+    for (auto& tower : data)
+      for (std::size_t j = 0; j < n; ++j) tower.push_back(static_cast<S>(value(rng)));
+    std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(towers);
+    for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({std::span<const S>(data[k]), 0});
+    for (bool statistics : {false, true}) {
+      gradavg::options opts = base;
+      opts.statistics = statistics;
+      std::vector<O> want_mean(n), want_square(n);
+      {
+        std::vector<std::span<O>> m{std::span<O>(want_mean)}, q{std::span<O>(want_square)};
+        gradavg::average_gradients_into(tg, m, q, opts);
+      }
+      opts.streaming_stores = true;
+      constexpr std::size_t line = 64 / sizeof(O);
+      for (std::size_t offset = 0; offset < line; ++offset) {
+        INFO("T = " << towers << ", statistics " << statistics << ", output offset " << offset);
+        std::vector<O> mean_storage(n + 2 * line, O(-3.0f)), square_storage(n + 2 * line, O(-3.0f));
+        const std::size_t square_offset = (offset + 5) % line;
+        std::vector<std::span<O>> m{std::span<O>(mean_storage.data() + offset, n)};
+        std::vector<std::span<O>> q{std::span<O>(square_storage.data() + square_offset, n)};
+        gradavg::average_gradients_into(tg, m, q, opts);
+        CHECK(same_bits(m[0].data(), want_mean.data(), n));
+        CHECK(same_bits(q[0].data(), want_square.data(), n));
+        for (std::size_t j = 0; j < offset; ++j) CHECK(mean_storage[j] == O(-3.0f));
+        for (std::size_t j = offset + n; j < mean_storage.size(); ++j) CHECK(mean_storage[j] == O(-3.0f));
+        for (std::size_t j = square_offset + n; j < square_storage.size(); ++j) CHECK(square_storage[j] == O(-3.0f));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("streaming stores into 16-bit outputs and float outputs of double sums: the same bits") {
+  check_streaming<half, half>({});
+  check_streaming<bf16, bf16>({});
+  check_streaming<half, float>({});
+  check_streaming<bf16, float>({});
+  check_streaming<float, float>({.accumulate = gradavg::accumulation::double_precision});
+}

@@ -112,6 +112,10 @@ struct pass_result {
 /// kernel are compiled once per element type (not once per tensor family and call site):
 /// size_of(i) elements (0 for a skipped variable), tower_data(i, k) tower k's first element,
 /// mean(i) / square(i) the outputs (square returns null for every i without squares).
+/// Or, with layout set (the function pointers unused): variable i's gradients are
+/// layout[i * stride + k] (k < T; empty for a skipped variable), its mean output
+/// layout[i * stride + T] and its squares output layout[i * stride + T + 1] when with_squares:
+/// the byte ranges validation recorded, read without a call per variable and tower.
 template <class S, class O>
 struct pass_source {
   const void* context;
@@ -119,6 +123,8 @@ struct pass_source {
   const S* (*tower_data)(const void* context, std::size_t variable, std::size_t tower);
   O* (*mean)(const void* context, std::size_t variable);
   O* (*square)(const void* context, std::size_t variable);
+  const byte_range* layout = nullptr;
+  std::size_t stride = 0;
 };
 
 /// Runs the kernel over every variable of source, summing in Acc and writing O.
@@ -128,9 +134,22 @@ struct pass_source {
 template <class S, class Acc, class O>
 pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
                          bool with_squares, const options& opts) {
-  auto size_of = [&source](std::size_t i) { return source.size_of(source.context, i); };
-  auto mean_ptr = [&source](std::size_t i) { return source.mean(source.context, i); };
-  auto square_ptr = [&source](std::size_t i) { return source.square(source.context, i); };
+  const byte_range* const layout = source.layout;
+  auto output_at = [](const byte_range& r) { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); };
+  auto size_of = [&source, layout](std::size_t i) {
+    if (layout != nullptr) {
+      const byte_range& g = layout[i * source.stride];
+      return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+    }
+    return source.size_of(source.context, i);
+  };
+  auto mean_ptr = [&](std::size_t i) {
+    return layout != nullptr ? output_at(layout[i * source.stride + tower_count]) : source.mean(source.context, i);
+  };
+  auto square_ptr = [&](std::size_t i) -> O* {
+    if (layout != nullptr) return with_squares ? output_at(layout[i * source.stride + tower_count + 1]) : nullptr;
+    return source.square(source.context, i);
+  };
   std::size_t total = 0;
   for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
   const std::size_t range_begin = std::min(opts.range.begin, total);
@@ -215,9 +234,13 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
         const std::size_t begin = std::max(offset, seg_begin) - offset;
         const std::size_t end = std::min(offset + size, seg_end) - offset;
         const variable_towers towers_of_i{&source, i};
-        piece_result piece = reduce_range<S, Acc>(tower_reader<S>{&towers_of_i, &variable_towers::first_element}, tower_count,
-                                                  begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores, divisor,
-                                                  fused_ptr);
+        const tower_reader<S> reader =
+            layout != nullptr
+                ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout + i * source.stride),
+                                  sizeof(byte_range)}
+                : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
+        piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
+                                                  opts.streaming_stores, divisor, fused_ptr);
         const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
         const bool ends_here = offset + size <= seg_end || seg_end == range_end;
         if (fused) {
@@ -364,20 +387,9 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   if (v.layout != nullptr) {
     // Pointers as read by the checks: variable i's ranges start at layout[i * stride].
     const std::size_t stride = towers + (with_squares ? 2 : 1);
-    const byte_range* layout = v.layout;
-    auto out = [](const std::byte* p) { return const_cast<O*>(reinterpret_cast<const O*>(p)); };
-    pass = with_accumulator<S>(opts, [&]<class Acc>() {
-      return average_all<S, Acc, O>(
-          v.variables, towers,
-          [=](std::size_t i) {
-            const byte_range& g = layout[i * stride];
-            return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
-          },
-          [=](std::size_t i, std::size_t k) { return reinterpret_cast<const S*>(layout[i * stride + k].first); },
-          [=](std::size_t i) { return out(layout[i * stride + towers].first); },
-          [=](std::size_t i) { return with_squares ? out(layout[i * stride + towers + 1].first) : nullptr; },
-          with_squares, opts);
-    });
+    const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, v.layout, stride};
+    pass = with_accumulator<S>(
+        opts, [&]<class Acc>() { return average_pass<S, Acc, O>(v.variables, towers, source, with_squares, opts); });
   } else {
     auto mean_ptr = [&means](std::size_t i) { return read_output<Means, O>(means, i).data; };
     pass = with_accumulator<S>(opts, [&]<class Acc>() {

@@ -313,9 +313,9 @@ struct group_pass {
     if constexpr (ToOut && Stream) {
       // Not with statistics: their lanes follow the steps, which must not move with the outputs'
       // address (a misaligned packet is then stored normally, see packet_ops::stream).
-      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % ops::bytes;
-      if (misaligned % sizeof(Acc) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
-        j = std::min(len, (ops::bytes - misaligned) / sizeof(Acc));
+      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::stored_bytes;
+      if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
+        j = std::min(len, (out::stored_bytes - misaligned) / sizeof(O));
         partial_step(0, j, st);
       }
     }
@@ -331,7 +331,18 @@ template <class S>
 struct tower_reader {
   const void* context;
   const S* (*first_element)(const void* context, std::size_t tower);
-  const S* operator()(std::size_t tower) const { return first_element(context, tower); }
+  /// Where first_element is null: tower k's first element is the const std::byte* stored at
+  /// table + k * stride (a table of pointers the caller built; no call per tower).
+  const std::byte* table = nullptr;
+  std::size_t stride = 0;
+  const S* operator()(std::size_t tower) const {
+    if (first_element == nullptr) {
+      const std::byte* p;
+      std::memcpy(&p, table + tower * stride, sizeof p);
+      return reinterpret_cast<const S*>(p);
+    }
+    return first_element(context, tower);
+  }
 };
 
 template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
@@ -395,14 +406,13 @@ piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t to
 /// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc.
 /// tower_data(k) returns tower k's first element (of the whole variable, not of the range).
 /// divisor: T, or the weight sum. fused: null for the plain pass. streaming: write the outputs
-/// with non-temporal stores (where O is Acc).
+/// with non-temporal stores (storage_ops::stream).
 template <class S, class Acc, class O>
 piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                           O* mean, O* square, bool streaming, Acc divisor, const fused_params<Acc>* fused) {
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
-  if constexpr (!std::is_same_v<O, Acc>) streaming = false;
   if (fused != nullptr) {
     if (square != nullptr || fused->statistics) {
       if (streaming)

@@ -188,12 +188,39 @@ struct storage_ops {
     }
   }
 
-  /// As store, with a non-temporal store where S == Acc (packet_ops::stream).
+  /// Bytes one store writes.
+  static constexpr std::size_t stored_bytes = width * sizeof(S);
+
+  /// As store, with a non-temporal store where the target has one for the converted values and p
+  /// is aligned to stored_bytes (packet_ops::stream where S == Acc); otherwise an ordinary store.
   static void stream(S* p, const P& v) noexcept {
-    if constexpr (std::is_same_v<S, Acc>)
+    if constexpr (std::is_same_v<S, Acc>) {
       ops::stream(p, v);
-    else
+    } else {
+      if (reinterpret_cast<std::uintptr_t>(p) % stored_bytes == 0) {
+#if defined(EIGEN_VECTORIZE_AVX512)
+        if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
+          return _mm256_stream_ps(p, _mm512_maskz_cvtpd_ps(0xff, v));
+        if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
+          return _mm256_stream_si256(reinterpret_cast<__m256i*>(p),
+                                     _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
+          return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
+#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+        if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
+          return _mm_stream_ps(p, _mm256_cvtpd_ps(v));
+        if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
+          return _mm_stream_si128(reinterpret_cast<__m128i*>(p),
+                                  _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 8) {
+          const __m256i bits = bfloat16_bits(v);
+          const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
+          return _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+        }
+#endif
+      }
       store(p, v);
+    }
   }
 
  private:
