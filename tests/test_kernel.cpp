@@ -159,3 +159,102 @@ TEMPLATE_TEST_CASE("an element rounds alike in a tail and inside whole steps", "
     CHECK(gradavg_test::same_bits(square.data(), long_square.data(), n));
   }
 }
+
+// The kernel multiplies by 1/d instead of dividing by d when d is a power of two whose reciprocal
+// is normal. That is exact only if it gives the quotient's bits for every input: checked against
+// the scalar sum in tower order followed by a true division, on values whose quotients are
+// subnormal, tiny, huge, zero of either sign, and on divisors either side of the exact cases.
+TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for bit, whatever the divisor", "", float,
+                   double) {
+  using S = TestType;
+  using limits = std::numeric_limits<S>;
+  const std::size_t n = 67;  // whole steps and a tail
+  // x rounded to S on its own: keeps the compiler from contracting a product into a later sum.
+  auto rounded = [](S x) {
+    volatile S stored = x;
+    return static_cast<S>(stored);
+  };
+  // Tower values: mixed signs and magnitudes, including subnormal and near-overflow sums.
+  auto tower_values = [&](std::size_t k, std::size_t towers) {
+    std::vector<S> v = gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(101 + k));
+    const S huge = limits::max() / static_cast<S>(2 * towers);
+    for (std::size_t j = 0; j < n; ++j) {
+      switch (j % 6) {
+        case 0: v[j] *= limits::min(); break;             // sums near the subnormal range
+        case 1: v[j] *= limits::denorm_min() * S(7); break;  // subnormal inputs
+        case 2: v[j] *= huge; break;                      // sums near overflow
+        case 3: v[j] = (k % 2 == 0 ? S(1) : S(-1)) * S(0); break;  // zeros of both signs
+        default: break;                                   // ordinary values
+      }
+    }
+    return v;
+  };
+
+  SECTION("plain mean and squares, T towers") {
+    const std::size_t tower_count = GENERATE(1, 2, 3, 4, 5, 8, 16, 17, 32, 64);
+    INFO("towers " << tower_count);
+    std::vector<std::vector<S>> data;
+    std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+    for (std::size_t k = 0; k < tower_count; ++k) data.push_back(tower_values(k, tower_count));
+    for (std::size_t k = 0; k < tower_count; ++k) tg[k].push_back({std::span<const S>(data[k]), 0});
+    // Squares: x*x + s fused or not, as the target's multiply-add is (packet_ops::mul_add).
+    std::vector<S> want_mean(n), want_fused(n), want_unfused(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      S sum = data[0][j], fused = data[0][j] * data[0][j], unfused = fused;
+      for (std::size_t k = 1; k < tower_count; ++k) {
+        sum = sum + data[k][j];
+        fused = std::fma(data[k][j], data[k][j], fused);
+        unfused = rounded(data[k][j] * data[k][j]) + unfused;
+      }
+      want_mean[j] = sum / static_cast<S>(tower_count);
+      want_fused[j] = fused / static_cast<S>(tower_count);
+      want_unfused[j] = unfused / static_cast<S>(tower_count);
+    }
+    std::vector<std::vector<S>> mean{std::vector<S>(n)}, square{std::vector<S>(n)};
+    gradavg::average_gradients_into(tg, mean, square);
+    CHECK(gradavg_test::same_bits(mean[0].data(), want_mean.data(), n));
+    CHECK((gradavg_test::same_bits(square[0].data(), want_fused.data(), n) ||
+           gradavg_test::same_bits(square[0].data(), want_unfused.data(), n)));
+  }
+
+  SECTION("weighted mean, weight sums at and around the exact cases") {
+    // Weight sums: powers of two (2^-20, 4, 2^60, the largest finite one: its reciprocal is
+    // subnormal), and ones that are not powers of two.
+    const S top = std::ldexp(S(1), limits::max_exponent - 2);  // the largest power of two / 2
+    const std::vector<std::vector<double>> weight_sets{
+        {std::ldexp(1.0, -21), std::ldexp(1.0, -21)},
+        {1.0, 1.0, 2.0},
+        {std::ldexp(1.0, 59), std::ldexp(1.0, 59)},
+        {static_cast<double>(top), static_cast<double>(top)},
+        {1.0, 2.0},
+        {0.1, 0.7, 0.2}};
+    for (const std::vector<double>& weights : weight_sets) {
+      const std::size_t tower_count = weights.size();
+      INFO("weights " << weights[0] << ", ..., towers " << tower_count);
+      std::vector<std::vector<S>> data;
+      std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+      for (std::size_t k = 0; k < tower_count; ++k) data.push_back(gradavg_test::random_values<S>(n, 300 + k));
+      for (std::size_t k = 0; k < tower_count; ++k)
+        for (std::size_t j = 0; j < n; j += 5) data[k][j] *= limits::min();  // subnormal quotients
+      for (std::size_t k = 0; k < tower_count; ++k) tg[k].push_back({std::span<const S>(data[k]), 0});
+      double weight_sum = 0;
+      for (double w : weights) weight_sum += w;
+      // w_k g_k for k > 0 added with the multiply-add, fused or not as the target's is.
+      std::vector<S> want_fused(n), want_unfused(n);
+      for (std::size_t j = 0; j < n; ++j) {
+        const S first = data[0][j] * static_cast<S>(weights[0]);
+        S fused = first, unfused = first;
+        for (std::size_t k = 1; k < tower_count; ++k) {
+          fused = std::fma(data[k][j], static_cast<S>(weights[k]), fused);
+          unfused = rounded(data[k][j] * static_cast<S>(weights[k])) + unfused;
+        }
+        want_fused[j] = fused / static_cast<S>(weight_sum);
+        want_unfused[j] = unfused / static_cast<S>(weight_sum);
+      }
+      std::vector<std::vector<S>> mean{std::vector<S>(n)};
+      gradavg::average_gradients_into(tg, mean, {.weights = weights});
+      CHECK((gradavg_test::same_bits(mean[0].data(), want_fused.data(), n) ||
+             gradavg_test::same_bits(mean[0].data(), want_unfused.data(), n)));
+    }
+  }
+}

@@ -125,6 +125,9 @@ struct pass_source {
   O* (*square)(const void* context, std::size_t variable);
   const byte_range* layout = nullptr;
   std::size_t stride = 0;
+  std::size_t total = unknown_total;  // the sum of size_of(i), when the caller knows it
+
+  static constexpr std::size_t unknown_total = std::size_t(-1);
 };
 
 /// Runs the kernel over every variable of source, summing in Acc and writing O.
@@ -150,8 +153,11 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
     if (layout != nullptr) return with_squares ? output_at(layout[i * source.stride + tower_count + 1]) : nullptr;
     return source.square(source.context, i);
   };
-  std::size_t total = 0;
-  for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
+  std::size_t total = source.total;
+  if (total == source.unknown_total) {
+    total = 0;
+    for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
+  }
   const std::size_t range_begin = std::min(opts.range.begin, total);
   const std::size_t range_end = std::min(opts.range.end, total);
   const std::size_t n = range_end - range_begin;
@@ -239,11 +245,16 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
                 ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout + i * source.stride),
                                   sizeof(byte_range)}
                 : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
-        piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
-                                                  opts.streaming_stores, divisor, fused_ptr);
-        const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
-        const bool ends_here = offset + size <= seg_end || seg_end == range_end;
-        if (fused) {
+        if (!fused) {
+          // Nothing to read back (loading the callee's fresh stores of an empty result stalled
+          // every call of a small variable).
+          reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores,
+                               divisor, nullptr);
+        } else {
+          piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
+                                                    opts.streaming_stores, divisor, fused_ptr);
+          const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
+          const bool ends_here = offset + size <= seg_end || seg_end == range_end;
           if (!starts_here) {
             record.head_variable = i;
             record.head_ends = ends_here;
@@ -387,7 +398,7 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   if (v.layout != nullptr) {
     // Pointers as read by the checks: variable i's ranges start at layout[i * stride].
     const std::size_t stride = towers + (with_squares ? 2 : 1);
-    const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, v.layout, stride};
+    const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, v.layout, stride, v.elements};
     pass = with_accumulator<S>(
         opts, [&]<class Acc>() { return average_pass<S, Acc, O>(v.variables, towers, source, with_squares, opts); });
   } else {
@@ -409,6 +420,38 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
                      std::string(element_name(gradients)) +
                      "; outputs hold the gradients' element type (or float32 for 16-bit gradients)");
+}
+
+/// Calls f.template operator()<S, O>() (returning a summary) with the gradients' element type S
+/// and the outputs' O of a call over tensor types G and OT, from e for dynamic tensors (e: what
+/// validate_elements found; types_known false when it threw, so e holds nothing). A pair the
+/// kernel does not have (validate_elements rejects each first): throws output_error, or, where
+/// every process must still take part in the call (Agree), runs the outputs' type's kernel.
+template <class G, class OT, bool Agree, class F>
+summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
+  auto with_gradients = [&]<class S>() -> summary {
+    if constexpr (dynamic_tensor<OT>) {
+      if (types_known && e.outputs != e.gradients) {
+        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+          return f.template operator()<S, float>();
+        else if constexpr (!Agree)
+          throw_output_element(e.gradients, e.outputs);
+      }
+      return f.template operator()<S, S>();
+    } else {
+      using O = tensor_value_t<OT>;
+      if constexpr (supported_output<S, O>)
+        return f.template operator()<S, O>();
+      else if constexpr (Agree)
+        return f.template operator()<O, O>();
+      else
+        throw_output_element(e.gradients, e.outputs);
+    }
+  };
+  if constexpr (dynamic_tensor<G>)
+    return with_element(e.gradients, with_gradients);
+  else
+    return with_gradients.template operator()<tensor_value_t<G>>();
 }
 
 template <class TG, class Means, class Squares>
@@ -436,24 +479,9 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
     // Run-time element types: found and checked first, then the kernel of those types.
     const std::size_t variable_count = validate_tower_counts(tg);
     const call_elements e = validate_elements(tg, variable_count, &means, squares);
-    auto with_gradients = [&]<class S>() -> summary {
-      if constexpr (dynamic_tensor<OT>) {
-        if (e.outputs == e.gradients) return average_into_typed<S, S>(tg, means, squares, opts);
-        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
-          return average_into_typed<S, float>(tg, means, squares, opts);
-        throw_output_element(e.gradients, e.outputs);
-      } else {
-        using O = tensor_value_t<OT>;
-        if constexpr (supported_output<S, O>)
-          return average_into_typed<S, O>(tg, means, squares, opts);
-        else
-          throw_output_element(e.gradients, e.outputs);
-      }
-    };
-    if constexpr (dynamic_tensor<G>)
-      return with_element(e.gradients, with_gradients);
-    else
-      return with_gradients.template operator()<tensor_value_t<G>>();
+    return with_kernel_types<G, OT, false>(e, true, [&]<class S, class O>() {
+      return average_into_typed<S, O>(tg, means, squares, opts);
+    });
   }
 }
 

@@ -3,13 +3,16 @@
 // Contract of reduce_range (one variable, T towers, elements [begin, end)), plain:
 //   mean[j]   = (g_0[j] + g_1[j] + ... + g_{T-1}[j]) / T        summed in tower order
 //   square[j] = (g_0[j]^2 + ... + g_{T-1}[j]^2) / T              when square != nullptr
-// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add).
+// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add: fused
+// exactly where the target has FMA, whatever the compiler's -ffp-contract). A power-of-two T
+// multiplies by 1/T instead: the same bits (exact_reciprocal).
 // Fused (fused_params given): with w_k the tower weights, W their sum, c the scale and
 // f_k = w_k c (computed in double, rounded once to the accumulator type),
 //   mean[j]   = (f_0 g_0[j] + ... + f_{T-1} g_{T-1}[j]) / W
 //   square[j] = (f_0 g_0[j] (c g_0[j]) + ...) / W
-// each f_k g_k[j] and c g_k[j] rounded once: the scale meets every input before any sum, so
-// loss-scaled inputs never overflow the sums (or the sums of squares) by their scaled size. With unit weights and
+// each f_k g_k[j] (k > 0) added with the packets' multiply-add like a square, c g_k[j] and
+// f_0 g_0[j] rounded once: the scale meets every input before any sum, so loss-scaled inputs
+// never overflow the sums (or the sums of squares) by their scaled size. With unit weights and
 // c = 1 bitwise the plain results. The fused
 // pass also reports whether any input was NaN or +-Inf and sums mean^2 and square in double.
 // Results are rounded once from the accumulator type to the output type (storage_ops). Every
@@ -28,9 +31,11 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "isa.hpp"
@@ -192,6 +197,7 @@ struct group_pass {
   O* mean;  // outputs (ToOut), offset like towers
   O* square;  // null in a fused pass that computes squares only for the statistics
   Acc divisor;
+  Acc reciprocal;  // exact_reciprocal(divisor): multiply by it instead of dividing when not 0
   const Acc* weights;  // fused: this group's count weights
   const fused_params<Acc>* fused;
   fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
@@ -243,9 +249,8 @@ struct group_pass {
         const P x = in::load(g + u * W);
         if constexpr (Fused) {
           if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
-          const P wx = ops::mul(x, w);
-          a[u] = ops::add(a[u], wx);
-          if constexpr (Squares) s[u] = ops::mul_add(wx, ops::mul(x, c), s[u]);
+          a[u] = ops::mul_add(x, w, a[u]);  // explicit: a compiler's contraction cannot change it
+          if constexpr (Squares) s[u] = ops::mul_add(ops::mul(x, w), ops::mul(x, c), s[u]);
         } else {
           a[u] = ops::add(a[u], x);
           if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
@@ -257,9 +262,16 @@ struct group_pass {
     GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; ++u) {
       if constexpr (ToOut) {
-        const P d = ops::broadcast(divisor);
-        P m = ops::div(a[u], d);
-        P q = Squares ? ops::div(s[u], d) : P{};
+        P m, q{};
+        if (reciprocal != Acc(0)) {  // the same results: see exact_reciprocal
+          const P r = ops::broadcast(reciprocal);
+          m = ops::mul(a[u], r);
+          if constexpr (Squares) q = ops::mul(s[u], r);
+        } else {
+          const P d = ops::broadcast(divisor);
+          m = ops::div(a[u], d);
+          if constexpr (Squares) q = ops::div(s[u], d);
+        }
         if constexpr (Fused) {
         }
         m = ops::canonical_nan(m);
@@ -292,7 +304,7 @@ struct group_pass {
       if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
     }
     alignas(64) O m_buf[E], q_buf[E];
-    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, weights, fused, state};
+    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal, weights, fused, state};
     padded.template step<false>(0, st);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
@@ -325,6 +337,20 @@ struct group_pass {
   }
 };
 
+/// 1/d when d is a positive normal power of two, else 0. Then 1/d is a power of two too, exactly
+/// representable (at worst a subnormal), so x * (1/d) and x / d are the same real number and
+/// round to the same result for every x (subnormal results, zeros, infinities included; NaN
+/// results are made canonical either way): the kernel multiplies instead of dividing, several
+/// times cheaper where a call's data sit in cache.
+template <class Acc>
+Acc exact_reciprocal(Acc d) noexcept {
+  static_assert(std::numeric_limits<Acc>::is_iec559);
+  using bits_t = std::conditional_t<sizeof(Acc) == 4, std::uint32_t, std::uint64_t>;
+  constexpr bits_t fraction_mask = (bits_t{1} << (std::numeric_limits<Acc>::digits - 1)) - 1;
+  const bool normal = d >= std::numeric_limits<Acc>::min() && d <= std::numeric_limits<Acc>::max();
+  return normal && (std::bit_cast<bits_t>(d) & fraction_mask) == 0 ? Acc(1) / d : Acc(0);
+}
+
 /// Tower k's first element of one variable, read through a function pointer: the kernel is
 /// compiled once per element type and variant, not once per caller's way of holding gradients.
 template <class S>
@@ -339,66 +365,89 @@ struct tower_reader {
     if (first_element == nullptr) {
       const std::byte* p;
       std::memcpy(&p, table + tower * stride, sizeof p);
+#if defined(__GNUC__)
+      // Keeps the per-tower loop scalar: vectorised, it became a gather (tens of cycles per
+      // variable, a tenth of a 1,000 x 64-float call).
+      asm("" : "+r"(p));
+#endif
       return reinterpret_cast<const S*>(p);
     }
     return first_element(context, tower);
   }
 };
 
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
-piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
-                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
-  constexpr bool Squares = WithSquare;
+/// The pass's state for one variable: the tower pointers and weights of the group being summed,
+/// and the fused registers.
+template <class S, class Acc, bool Fused>
+struct variable_pass {
+  struct no_state {};
   const S* group[group_towers];
   Acc weights[group_towers];
-  struct no_state {};
-  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;  // registers of the fused pass
-  fused_state<Acc>* const state_ptr = [&]() -> fused_state<Acc>* {
+  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;
+
+  fused_state<Acc>* state_ptr() noexcept {
     if constexpr (Fused) return &state; else return nullptr;
-  }();
-  auto set_weights = [&](std::size_t first, std::size_t count) {
+  }
+  /// group[k] and weights[k] for towers [first, first + count), from element `offset` on.
+  void load(const tower_reader<S>& tower_data, std::size_t first, std::size_t count, std::size_t offset,
+            const fused_params<Acc>* fused) {
+    for (std::size_t k = 0; k < count; ++k) group[k] = tower_data(first + k) + offset;
     if constexpr (Fused)
       for (std::size_t k = 0; k < count; ++k)
         weights[k] = static_cast<Acc>((fused->weights ? fused->weights[first + k] : 1.0) * fused->scale);
-  };
+  }
+};
 
+/// More than group_towers towers: group by group through the L1 accumulator block. Out of line,
+/// so that its block does not enlarge the stack frame of every call with fewer towers.
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
+[[gnu::noinline]] void reduce_blocks(variable_pass<S, Acc, Fused>& v, const tower_reader<S>& tower_data,
+                                     std::size_t tower_count, std::size_t begin, std::size_t end, O* mean, O* square,
+                                     Acc divisor, Acc reciprocal, const fused_params<Acc>* fused) {
+  constexpr std::size_t B = block_elements<Acc>;
+  alignas(64) Acc acc[B];
+  alignas(64) Acc sq[WithSquare ? B : 1];
+  for (std::size_t block = begin; block < end; block += B) {
+    const std::size_t len = std::min(B, end - block);
+    for (std::size_t first = 0; first < tower_count; first += group_towers) {
+      const std::size_t count = std::min(group_towers, tower_count - first);
+      v.load(tower_data, first, count, block, fused);
+      O* m = mean + block;
+      O* q = square ? square + block : nullptr;
+      if (first == 0)
+        group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr()}
+            .run(len);
+      else if (first + count < tower_count)
+        group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr()}
+            .run(len);
+      else
+        group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr()}
+            .run(len);
+    }
+  }
+}
+
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
+piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused) {
+  const Acc reciprocal = exact_reciprocal(divisor);
+  variable_pass<S, Acc, Fused> v;
   if (tower_count <= group_towers) {
-    for (std::size_t k = 0; k < tower_count; ++k) group[k] = tower_data(k) + begin;
-    set_weights(0, tower_count);
+    v.load(tower_data, 0, tower_count, begin, fused);
     group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
-        group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, weights, fused,
-        state_ptr}
+        v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
+        v.weights, fused, v.state_ptr()}
         .run(end - begin);
   } else {
-    constexpr std::size_t B = block_elements<Acc>;
-    alignas(64) Acc acc[B];
-    alignas(64) Acc sq[Squares ? B : 1];
-    for (std::size_t block = begin; block < end; block += B) {
-      const std::size_t len = std::min(B, end - block);
-      for (std::size_t first = 0; first < tower_count; first += group_towers) {
-        const std::size_t count = std::min(group_towers, tower_count - first);
-        for (std::size_t k = 0; k < count; ++k) group[k] = tower_data(first + k) + block;
-        set_weights(first, count);
-        O* m = mean + block;
-        O* q = square ? square + block : nullptr;
-        if (first == 0)
-          group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                    state_ptr}
-              .run(len);
-        else if (first + count < tower_count)
-          group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                   state_ptr}
-              .run(len);
-        else
-          group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{group, count, acc, sq, m, q, divisor, weights, fused,
-                                                                  state_ptr}
-              .run(len);
-      }
-    }
+    reduce_blocks<S, Acc, O, Fused, WithSquare, Stream>(v, tower_data, tower_count, begin, end, mean, square, divisor,
+                                                        reciprocal, fused);
   }
   if constexpr (Stream) streaming_fence();
   if constexpr (Fused)
-    return state_ptr->result();
+    return v.state.result();
   else
     return {};
 }

@@ -671,6 +671,7 @@ struct validated {
   std::size_t variables = 0;
   std::size_t averaged = 0;
   std::size_t skipped = 0;
+  std::size_t elements = 0;  // of every averaged variable
   const byte_range* layout = nullptr;  // null: the kernel reads the entries again
 };
 
@@ -779,6 +780,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
       if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
         own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
       ++(g0.present ? result.averaged : result.skipped);
+      result.elements += g0.present ? g0.dims.size() : 0;
     });
   }
 
