@@ -19,6 +19,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -527,6 +528,47 @@ TEST_CASE("a local validation error on one rank: its own error there, remote_err
     CHECK(contains(m, "rank " + std::to_string(last)));
     CHECK(contains(m, "variable #2"));
   }
+}
+
+/// An executor whose parallel_for throws without running a task (the contract allows it).
+struct failing_executor : gradavg::executor {
+  std::size_t concurrency() const noexcept override { return 2; }
+  void parallel_for(std::size_t, gradavg::task_ref) override { throw std::runtime_error("the executor is down"); }
+};
+
+TEST_CASE("an exception from one rank's executor while averaging: its own there, remote_error elsewhere, no hang") {
+  // Variable 1 fills each bucket with enough bytes for two chunks, so the failing rank's kernel
+  // goes through its executor, after validation, with buckets in flight on every rank.
+  const world<float> w({5, 600000, 7}, {false, false, false}, layout(true), 9);
+  const auto local = w.local();
+  const int failing = world_size() - 1;
+  failing_executor down;
+  gradavg::mpi::workspace work;
+  gradavg::mpi::options opts;
+  opts.fusion_bytes = 1 << 20;  // three buckets, the first of two chunks: the failure comes first
+  opts.work = &work;
+  if (world_rank() == failing) {
+    opts.threads = 2;
+    opts.pool = &down;
+  }
+  auto out = w.outputs();
+  auto call = [&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts); };
+  if (world_rank() == failing) {
+    CHECK(std::string(exception_of<std::runtime_error>(call).what()) == "the executor is down");
+  } else {
+    const std::string m = exception_of<gradavg::remote_error>(call).what();
+    CHECK(contains(m, "rank " + std::to_string(failing) + " failed while averaging"));
+    CHECK(contains(m, "partly written"));
+  }
+  CHECK(same_on_every_rank(42));  // every rank left the call in step
+
+  // The same workspace afterwards: the right results.
+  opts.pool = nullptr;
+  opts.threads = 1;
+  auto again = w.outputs();
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, again, opts);
+  require_reference(w, again, false);
+  CHECK(same_on_every_rank(hash_of(again)));
 }
 
 TEST_CASE("options that differ on one rank: option_error on every rank; bad weights there: its own error") {

@@ -21,6 +21,11 @@
 //     towers), a different shape between ranks (shape_error naming ranks and shapes).
 // No rank enters a collective another rank skips, and nothing is written on any rank after an
 // error.
+// An exception from user code while a rank's kernel runs (its executor, say: after validation)
+// does not leave the other ranks waiting: that rank sends zeros in its place from then on, every
+// rank completes the exchange, and a last one-integer collective tells each one; the rank
+// rethrows its exception, every other rank throws remote_error naming it. Outputs are then
+// partly written on every rank (as in one process after such an exception).
 //
 // Data path: the flat element range of all averaged variables (options.range, as in one process)
 // is cut into buckets of options.fusion_bytes. Each rank's kernel sums its towers straight into a
@@ -72,8 +77,8 @@
 
 namespace gradavg {
 
-/// Another rank's own validation failed (that rank throws the detailed error); variable_index()
-/// is the variable it named, or npos.
+/// Another rank's own validation failed, or its kernel threw (that rank throws the detailed
+/// error); variable_index() is the variable it named, or npos.
 class remote_error : public error {
   using error::error;
 };
@@ -814,13 +819,22 @@ struct call {
       progress();
     };
 
-    // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered.
+    // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception
+    // in this rank's kernel its contributions are zeros: the messages every rank waits for flow.
+    std::exception_ptr failure;
     bucket_shape shapes[3];
     for (std::size_t b = 0; b < buckets + 2; ++b) {
       if (b < buckets) {
         bucket_set& bs = set[b % 3];
         shapes[b % 3] = shape_of_bucket(b);
-        fill(shapes[b % 3], bs.local);
+        if (!failure) {
+          try {
+            fill(shapes[b % 3], bs.local);
+          } catch (...) {
+            failure = std::current_exception();
+          }
+        }
+        if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
         start_exchange(shapes[b % 3], bs);
       }
       if (b >= 1 && b - 1 < buckets) {
@@ -829,6 +843,14 @@ struct call {
       }
       if (b >= 2) unpack(shapes[(b - 2) % 3], set[(b - 2) % 3]);
     }
+    // The last collective: the lowest rank whose kernel failed, if any.
+    int failed_rank = failure ? rank : ranks;
+    MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm);
+    if (failure) std::rethrow_exception(failure);
+    if (failed_rank < ranks)
+      throw remote_error("gradavg::mpi: rank " + std::to_string(failed_rank) +
+                         " failed while averaging (an exception from user code there, after validation: see the "
+                         "error thrown there); the outputs of this call are partly written on every rank");
     result.nonfinite_variables = nonfinite_variables;
     if (opts.statistics) {
       result.sum_mean_squared = everything_mean_squared;
@@ -878,8 +900,6 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
   if constexpr (static_tensor<G> && static_tensor<OT>) {
     using S = tensor_value_t<G>;
     using O = tensor_value_t<OT>;
-    static_assert(gradavg::detail::supported_scalar<S>,
-                  "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
     static_assert(gradavg::detail::supported_output<S, O>,
                   "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
     return average_into_typed<S, O>(comm, tg, means, squares, opts, prior);
@@ -896,25 +916,9 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
         prior = std::current_exception();
       }
     }
-    auto with_gradients = [&]<class S>() -> summary {
-      if constexpr (dynamic_tensor<OT>) {
-        if (!prior && e.outputs != e.gradients) {
-          if constexpr (std::is_same_v<gradavg::detail::accumulator_t<S>, float> && !std::is_same_v<S, float>)
-            return average_into_typed<S, float>(comm, tg, means, squares, opts, prior);
-        }
-        return average_into_typed<S, S>(comm, tg, means, squares, opts, prior);
-      } else {
-        using O = tensor_value_t<OT>;
-        if constexpr (gradavg::detail::supported_output<S, O>)
-          return average_into_typed<S, O>(comm, tg, means, squares, opts, prior);
-        else  // validate_elements rejected this pair (prior is set); any kernel takes part
-          return average_into_typed<O, O>(comm, tg, means, squares, opts, prior);
-      }
-    };
-    if constexpr (dynamic_tensor<G>)
-      return gradavg::detail::with_element(e.gradients, with_gradients);
-    else
-      return with_gradients.template operator()<tensor_value_t<G>>();
+    return gradavg::detail::with_kernel_types<G, OT, true>(e, !prior, [&]<class S, class O>() {
+      return average_into_typed<S, O>(comm, tg, means, squares, opts, prior);
+    });
   }
 }
 
