@@ -1,7 +1,8 @@
 // gradavg::mpi against the ways users average across processes today, on ResNet-50 and BERT-base
 // parameter layouts (model_shapes.hpp), float gradients, 1 and 2 towers per rank, mean alone and
 // mean + squares:
-//   gradavg_mpi      gradavg::mpi::average_gradients_into (fusion buffers of --fusion-mib)
+//   gradavg_mpi      gradavg::mpi::average_gradients_into (fusion buffers of --fusion-mib; 0, the
+//                    default: gradavg::mpi::automatic_fusion_bytes)
 //   per_variable     (a) a local Eigen sum of the rank's towers, one in-place MPI_Allreduce per
 //                    variable, a divide (PyTorch's C++ dist-mnist example)
 //   horovod_64mib    (b) local Eigen sum, pack into a 64 MiB fusion buffer, MPI_Allreduce, unpack,
@@ -42,7 +43,7 @@ struct config {
   int towers = 0;   // 0: 1 and 2
   int squares = 2;  // 2: without and with
   int reps = 10;
-  std::size_t fusion_mib = 16;
+  std::size_t fusion_mib = 0;  // 0: gradavg's automatic bucket size
 };
 
 int rank_of() {
@@ -184,7 +185,8 @@ void run_model(const model_shapes& m, int towers, bool with_squares, const confi
     }
   };
   // The bytes gradavg_mpi moves, in its bucket sizes, reduced by MPI alone.
-  const std::size_t bucket_floats = opts.fusion_bytes / sizeof(float);
+  const std::size_t bucket_floats =
+      (opts.fusion_bytes != 0 ? opts.fusion_bytes : gradavg::mpi::automatic_fusion_bytes(ranks)) / sizeof(float);
   const std::size_t all_floats = p.total * (with_squares ? 2 : 1);
   std::vector<float> flat(std::min(all_floats, bucket_floats));
   auto allreduce_only = [&] {
@@ -221,7 +223,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--towers") c.towers = std::atoi(v);
     else if (a == "--squares") c.squares = std::atoi(v);
     else if (a == "--reps") c.reps = std::max(1, std::atoi(v));
-    else if (a == "--fusion-mib") c.fusion_mib = static_cast<std::size_t>(std::max(1, std::atoi(v)));
+    else if (a == "--fusion-mib") c.fusion_mib = static_cast<std::size_t>(std::max(0, std::atoi(v)));
     else return false;
   }
   return argc % 2 == 1;
@@ -243,7 +245,9 @@ int main(int argc, char** argv) {
     char version[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
     MPI_Get_library_version(version, &len);
-    std::printf("%d ranks; fusion buffers %zu MiB; %.*s\n", ranks, cfg.fusion_mib, static_cast<int>(std::strcspn(version, ",\n")), version);
+    const std::size_t fusion_bytes = cfg.fusion_mib != 0 ? cfg.fusion_mib << 20 : gradavg::mpi::automatic_fusion_bytes(ranks);
+    std::printf("%d ranks; fusion buffers %zu KiB%s; %.*s\n", ranks, fusion_bytes >> 10, cfg.fusion_mib != 0 ? "" : " (automatic)",
+                static_cast<int>(std::strcspn(version, ",\n")), version);
   }
   for (const model_shapes& m : {gradavg_bench::resnet50_shapes(), gradavg_bench::bert_base_shapes()}) {
     if (cfg.model != "all" && cfg.model != m.name) continue;

@@ -86,11 +86,17 @@ class remote_error : public error {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace mpi {
 
-/// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums). 16 MiB: Open MPI
-/// 4.1 maps and unmaps its temporaries for messages above glibc's mmap threshold (32 MiB at most),
-/// so 64 MiB buckets fault thousands of fresh pages per call; 16 MiB and 25 MiB fault none
-/// (bench/README.md).
-inline constexpr std::size_t default_fusion_bytes = std::size_t{16} << 20;
+/// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums) when
+/// options.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB, or
+/// 256 KiB per rank where that is more (every rank owns a slice of each bucket: slices of at
+/// least 256 KiB keep a message's latency small against its transfer), at most 16 MiB (Open MPI
+/// 4.1 maps and unmaps temporaries for larger messages). Measured at np = 2 (bench/README.md):
+/// 1 MiB buckets stay in cache between the kernel, the exchange and the unpack; 16 MiB ones
+/// took 1.2-1.4x as long.
+constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
+  const std::size_t per_rank = (std::size_t{256} << 10) * static_cast<std::size_t>(ranks > 0 ? ranks : 1);
+  return std::min(std::max(std::size_t{1} << 20, per_rank), std::size_t{16} << 20);
+}
 
 namespace mpi_detail {
 template <class, class, class, class, class>
@@ -116,8 +122,9 @@ class workspace {
 /// options plus what only the process-parallel call needs. Every rank passes the same values
 /// (except weights, one per local tower).
 struct options : gradavg::options {
-  /// Bytes of one bucket's fusion buffer; at least one element, at most 1 GiB.
-  std::size_t fusion_bytes = default_fusion_bytes;
+  /// Bytes of one bucket's fusion buffer: at least two elements, at most 1 GiB; 0 (the default):
+  /// automatic_fusion_bytes(the communicator's size).
+  std::size_t fusion_bytes = 0;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };
@@ -293,9 +300,9 @@ struct call {
         header[h_variables] = variables;
         // [headers of every rank][this rank's variable words][their reduction][sizes, offsets]
         work.words.resize(static_cast<std::size_t>(ranks) * header_words + variables * (2 * variable_words + 2));
-        if (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30))
+        if (opts.fusion_bytes != 0 && (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
-                             "; it must hold two elements and be at most 1 GiB");
+                             "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
         try {
           gradavg::detail::check_scratch scratch;
           gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
@@ -568,7 +575,8 @@ struct call {
 
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer ? 2 : 1);
-    const std::size_t bucket_elements = std::max<std::size_t>(1, opts.fusion_bytes / per_element);
+    const std::size_t fusion_bytes = opts.fusion_bytes != 0 ? opts.fusion_bytes : mpi::automatic_fusion_bytes(ranks);
+    const std::size_t bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
     const std::size_t n = range_end - range_begin;
     const std::size_t buckets = (n + bucket_elements - 1) / bucket_elements;
     // Most variables one bucket can touch: bounded by its elements and by the variable count.

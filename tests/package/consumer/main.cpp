@@ -34,7 +34,7 @@ int main() {
   int initialized = 1;
   MPI_Initialized(&initialized);  // allowed before MPI_Init: proves the link without starting MPI
   if (initialized) return 1;
-  std::printf("component mpi: gradavg::mpi::default_fusion_bytes = %zu\n", gradavg::mpi::default_fusion_bytes);
+  std::printf("component mpi: gradavg::mpi::automatic_fusion_bytes(2) = %zu\n", gradavg::mpi::automatic_fusion_bytes(2));
 #endif
   std::printf("gradavg %s consumed: ok\n", version.c_str());
   return 0;
