@@ -272,8 +272,6 @@ struct group_pass {
           m = ops::div(a[u], d);
           if constexpr (Squares) q = ops::div(s[u], d);
         }
-        if constexpr (Fused) {
-        }
         m = ops::canonical_nan(m);
         if constexpr (Squares) q = ops::canonical_nan(q);
         if constexpr (Fused && Squares)
