@@ -418,75 +418,50 @@ S from_bits(std::uint16_t b) {
 }
 
 /// NaN inputs of every kind (quiet, signalling, either sign, with payloads) and +Inf meeting -Inf,
-/// at the first, a packet-boundary and the last element of variables around the packet widths:
-/// every NaN result, means and squares, is O's default quiet NaN bit for bit, and no other
-/// result is NaN, for ordinary and streaming stores and 1 and 2 threads.
+/// at spread positions of variables around the packet widths: every NaN result, means and
+/// squares, is O's default quiet NaN bit for bit, and no other result is NaN, for ordinary and
+/// streaming stores and 1 and 2 threads. Which results are NaN is read off the inputs: a mean
+/// where an input is NaN or +Inf meets -Inf, a square where an input is NaN.
 template <class S, class O>
 void check_nan_bits(std::size_t towers) {
   INFO("T = " << towers << ", outputs " << (std::is_same_v<O, float> ? "float" : "16-bit"));
-  // Quiet and signalling NaNs with payloads, positive and negative; then infinities.
+  // Quiet and signalling NaNs with payloads, positive and negative.
   const std::vector<std::uint16_t> nan_bits =
       std::is_same_v<S, half> ? std::vector<std::uint16_t>{0x7e00, 0xfe00, 0x7e15, 0xfd01, 0x7c01}
                               : std::vector<std::uint16_t>{0x7fc0, 0xffc0, 0x7fc5, 0xff81, 0x7f81};
-  const S pos_inf = std::numeric_limits<S>::infinity();
-  const S neg_inf = -std::numeric_limits<S>::infinity();
-  const std::vector<std::size_t> sizes{1, 15, 16, 17, 32, 33, 70, 1000};
-  std::vector<std::vector<std::vector<S>>> data(towers);
-  std::vector<std::vector<bool>> nan_expected(sizes.size());
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    const std::size_t n = sizes[i];
-    nan_expected[i].assign(n, false);
-    for (std::size_t k = 0; k < towers; ++k) {
-      data[k].emplace_back(n);
-      for (std::size_t j = 0; j < n; ++j) data[k][i][j] = S(static_cast<float>((j * 7 + k * 3 + i) % 11) * 0.25f - 1.0f);
-    }
-    // A NaN of each kind in the last tower, at spread positions; +Inf and -Inf on two towers.
-    for (std::size_t c = 0; c < nan_bits.size(); ++c) {
-      const std::size_t j = (c * 16 + i) % n;
-      data[towers - 1][i][j] = from_bits<S>(nan_bits[c]);
-      nan_expected[i][j] = true;
-    }
+  fused_towers<S> w(towers, {1, 15, 16, 17, 32, 33, 70, 1000}, {}, static_cast<std::uint32_t>(600 + towers));
+  for (std::size_t i = 0; i < w.variables(); ++i) {
+    const std::size_t n = w.sizes[i];
+    for (std::size_t c = 0; c < nan_bits.size(); ++c) w.data[towers - 1][i][(c * 16 + i) % n] = from_bits<S>(nan_bits[c]);
     if (towers >= 2) {
-      const std::size_t j = n - 1;
-      data[0][i][j] = pos_inf;
-      data[1][i][j] = neg_inf;
-      nan_expected[i][j] = true;  // the mean; the square is +Inf unless a NaN is there too
+      w.data[0][i][n - 1] = std::numeric_limits<S>::infinity();
+      w.data[1][i][n - 1] = -std::numeric_limits<S>::infinity();
     }
   }
-  std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(towers);
-  for (std::size_t k = 0; k < towers; ++k)
-    for (std::size_t i = 0; i < sizes.size(); ++i) tg[k].push_back({std::span<const S>(data[k][i]), static_cast<int>(i)});
   const auto default_nan = std::bit_cast<std::conditional_t<sizeof(O) == 2, std::uint16_t, std::uint32_t>>(
       std::numeric_limits<O>::quiet_NaN());
+  auto require_nan_bits = [&default_nan](O x, bool nan) {
+    if (nan)
+      REQUIRE(std::bit_cast<decltype(default_nan)>(x) == default_nan);
+    else
+      REQUIRE(!Eigen::numext::isnan(x));
+  };
   for (const bool streaming : {false, true})
     for (const std::size_t threads : {std::size_t{1}, std::size_t{2}}) {
       INFO("streaming " << streaming << ", threads " << threads);
-      std::vector<std::vector<O>> mean_storage, square_storage;
-      std::vector<std::span<O>> means, squares;
-      for (std::size_t n : sizes) {
-        mean_storage.emplace_back(n, O(0.0f));
-        square_storage.emplace_back(n, O(0.0f));
-      }
-      for (std::size_t i = 0; i < sizes.size(); ++i) {
-        means.emplace_back(mean_storage[i]);
-        squares.emplace_back(square_storage[i]);
-      }
-      gradavg::average_gradients_into(tg, means, squares, {.threads = threads, .streaming_stores = streaming});
-      for (std::size_t i = 0; i < sizes.size(); ++i)
-        for (std::size_t j = 0; j < sizes[i]; ++j) {
+      const auto r = run_into<O>(w, {.threads = threads, .streaming_stores = streaming});
+      for (std::size_t i = 0; i < w.variables(); ++i)
+        for (std::size_t j = 0; j < w.sizes[i]; ++j) {
           INFO("variable " << i << ", element " << j);
-          const O m = mean_storage[i][j], q = square_storage[i][j];
-          if (nan_expected[i][j]) {
-            REQUIRE(std::bit_cast<decltype(default_nan)>(m) == default_nan);
-          } else {
-            REQUIRE(!Eigen::numext::isnan(m));
+          bool any_nan = false, pos_inf = false, neg_inf = false;
+          for (std::size_t k = 0; k < towers; ++k) {
+            const S x = w.data[k][i][j];
+            any_nan = any_nan || Eigen::numext::isnan(x);
+            pos_inf = pos_inf || x == std::numeric_limits<S>::infinity();
+            neg_inf = neg_inf || x == -std::numeric_limits<S>::infinity();
           }
-          const bool square_nan = nan_expected[i][j] && !(towers >= 2 && j == sizes[i] - 1 &&
-                                                          !Eigen::numext::isnan(data[towers - 1][i][j]));
-          if (square_nan)
-            REQUIRE(std::bit_cast<decltype(default_nan)>(q) == default_nan);
-          else
-            REQUIRE(!Eigen::numext::isnan(q));
+          require_nan_bits(r.means[i][j], any_nan || (pos_inf && neg_inf));
+          require_nan_bits(r.squares[i][j], any_nan);
         }
     }
 }
