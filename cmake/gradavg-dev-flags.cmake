@@ -46,18 +46,26 @@ if(GRADAVG_NATIVE)
   target_compile_options(gradavg_dev_flags INTERFACE -march=native)
 endif()
 
-# Whether GRADAVG_NATIVE compiles for AVX-512 on this machine (the only case that needs
-# gradavg_suppress_eigen_avx512_warnings).
+# What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
+# only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
+# x86-64-v4 feature (the tests' instruction-set matrix then skips its repeat of that level).
 set(_gradavg_native_avx512 OFF)
-if(GRADAVG_NATIVE AND CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+set(_gradavg_native_v4 OFF)
+if(GRADAVG_NATIVE)
   include(CheckCXXSourceCompiles)
   set(CMAKE_REQUIRED_FLAGS -march=native)
   set(CMAKE_REQUIRED_QUIET ON)
-  check_cxx_source_compiles("#ifndef __AVX512F__\n#error no AVX-512\n#endif\nint main() { return 0; }"
-                            GRADAVG_NATIVE_HAS_AVX512)
+  if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+    check_cxx_source_compiles("#ifndef __AVX512F__\n#error no AVX-512\n#endif\nint main() { return 0; }"
+                              GRADAVG_NATIVE_HAS_AVX512)
+    set(_gradavg_native_avx512 ${GRADAVG_NATIVE_HAS_AVX512})
+  endif()
+  check_cxx_source_compiles(
+    "#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && defined(__AVX512VL__))\n#error not x86-64-v4\n#endif\nint main() { return 0; }"
+    GRADAVG_NATIVE_HAS_X86_64_V4)
+  set(_gradavg_native_v4 ${GRADAVG_NATIVE_HAS_X86_64_V4})
   unset(CMAKE_REQUIRED_FLAGS)
   unset(CMAKE_REQUIRED_QUIET)
-  set(_gradavg_native_avx512 ${GRADAVG_NATIVE_HAS_AVX512})
 endif()
 
 # GCC 12 reports -Wuninitialized / -Wmaybe-uninitialized on `__Y` inside its own AVX-512
