@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <random>
 #include <vector>
@@ -80,7 +81,66 @@ void check_widening() {
   CHECK(mismatches == 0);
 }
 
+/// A step's stores (store_step, or stream_step when streaming) of U packets at `offset` elements
+/// past a 64-byte boundary: the same bits as narrowing each element alone, in element order, and
+/// nothing written outside the step.
+template <class S, std::size_t U>
+void check_step_stores(const std::vector<float>& values, std::size_t offset, bool streaming) {
+  constexpr std::size_t n = U * width;
+  constexpr std::uint16_t guard = 0x5a5a;
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i + n <= values.size(); i += n) {
+    typename packet_ops<float>::type v[U];
+    for (std::size_t u = 0; u < U; ++u) v[u] = packet_ops<float>::load(values.data() + i + u * width);
+    alignas(64) S buffer[n + 64];
+    for (S& x : buffer) x = Eigen::numext::bit_cast<S>(guard);
+    S* p = buffer + offset;
+    if (streaming) {
+      storage_ops<S, float>::stream_step(p, v);
+      gradavg::detail::streaming_fence();
+    } else {
+      storage_ops<S, float>::store_step(p, v);
+    }
+    for (std::size_t l = 0; l < std::size(buffer); ++l) {
+      const bool inside = l >= offset && l < offset + n;
+      bool ok;
+      if (inside) {
+        const float f = values[i + l - offset];
+        ok = f != f ? Eigen::numext::isnan(buffer[l]) : bits_of(buffer[l]) == bits_of(S(f));
+      } else {
+        ok = bits_of(buffer[l]) == guard;
+      }
+      if (!ok && mismatches++ < 5) {
+        INFO("step element " << static_cast<std::ptrdiff_t>(l) - static_cast<std::ptrdiff_t>(offset) << " of " << n
+                             << ", offset " << offset << (streaming ? ", streaming" : ""));
+        CHECK(ok);
+      }
+    }
+  }
+  CHECK(mismatches == 0);
+}
+
+template <class S>
+void check_step_stores_everywhere(const std::vector<float>& values) {
+  // Offsets of 0 to 33 elements: aligned to 64, 32 and 16 bytes, and to the element only.
+  for (std::size_t offset = 0; offset <= 33; ++offset) {
+    for (bool streaming : {false, true}) {
+      check_step_stores<S, 1>(values, offset, streaming);
+      check_step_stores<S, 2>(values, offset, streaming);
+      check_step_stores<S, 4>(values, offset, streaming);
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("a step's 16-bit stores, ordinary or streaming, round each element alike at any alignment") {
+  INFO("SIMD level " << gradavg::isa_namespace);
+  auto values = sample_floats();
+  values.resize(4096 + 1024);  // the special values and enough random patterns; a multiple of 4 packets
+  SECTION("half") { check_step_stores_everywhere<Eigen::half>(values); }
+  SECTION("bfloat16") { check_step_stores_everywhere<Eigen::bfloat16>(values); }
+}
 
 TEST_CASE("float to 16-bit rounds to nearest even on this build's path, NaN stays NaN") {
   INFO("SIMD level " << gradavg::isa_namespace);

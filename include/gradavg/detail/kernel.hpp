@@ -259,30 +259,33 @@ struct group_pass {
     }
     if constexpr (Fused)
       for (std::size_t u = 0; u < U; ++u) st.probe[u] = probe[u];
-    GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < U; ++u) {
-      if constexpr (ToOut) {
-        P m, q{};
+    if constexpr (ToOut) {
+      P m[U], q[U];
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
         if (reciprocal != Acc(0)) {  // the same results: see exact_reciprocal
           const P r = ops::broadcast(reciprocal);
-          m = ops::mul(a[u], r);
-          if constexpr (Squares) q = ops::mul(s[u], r);
+          m[u] = ops::mul(a[u], r);
+          if constexpr (Squares) q[u] = ops::mul(s[u], r);
         } else {
           const P d = ops::broadcast(divisor);
-          m = ops::div(a[u], d);
-          if constexpr (Squares) q = ops::div(s[u], d);
+          m[u] = ops::div(a[u], d);
+          if constexpr (Squares) q[u] = ops::div(s[u], d);
         }
-        m = ops::canonical_nan(m);
-        if constexpr (Squares) q = ops::canonical_nan(q);
+        m[u] = ops::canonical_nan(m[u]);
+        if constexpr (Squares) q[u] = ops::canonical_nan(q[u]);
         if constexpr (Fused && Squares)
-          if (fused->statistics) st.add_statistics(u, m, q);
-        if constexpr (StreamOut) out::stream(mean + j + u * W, m); else out::store(mean + j + u * W, m);
-        if constexpr (Squares) {
-          if (!Fused || square != nullptr) {
-            if constexpr (StreamOut) out::stream(square + j + u * W, q); else out::store(square + j + u * W, q);
-          }
+          if (fused->statistics) st.add_statistics(u, m[u], q[u]);
+      }
+      if constexpr (StreamOut) out::stream_step(mean + j, m); else out::store_step(mean + j, m);
+      if constexpr (Squares) {
+        if (!Fused || square != nullptr) {
+          if constexpr (StreamOut) out::stream_step(square + j, q); else out::store_step(square + j, q);
         }
-      } else {
+      }
+    } else {
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
         ops::store(acc + j + u * W, a[u]);
         if constexpr (Squares) ops::store(sq + j + u * W, s[u]);
       }
@@ -314,8 +317,8 @@ struct group_pass {
     }
   }
 
-  /// Elements [0, len): when streaming, a partial step up to the outputs' packet alignment;
-  /// whole steps; then a partial step for the tail.
+  /// Elements [0, len): when streaming, a partial step up to the alignment of the outputs' widest
+  /// stores (step_store_bytes); whole steps; then a partial step for the tail.
   void run(std::size_t len) const noexcept {
     registers st;  // a local the compiler can keep in registers, unlike *state
     if constexpr (Fused) st = *state;
@@ -323,9 +326,9 @@ struct group_pass {
     if constexpr (ToOut && Stream) {
       // Not with statistics: their lanes follow the steps, which must not move with the outputs'
       // address (a misaligned packet is then stored normally, see packet_ops::stream).
-      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::stored_bytes;
+      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
       if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
-        j = std::min(len, (out::stored_bytes - misaligned) / sizeof(O));
+        j = std::min(len, (out::step_store_bytes - misaligned) / sizeof(O));
         partial_step(0, j, st);
       }
     }

@@ -191,6 +191,32 @@ struct storage_ops {
   /// Bytes one store writes.
   static constexpr std::size_t stored_bytes = width * sizeof(S);
 
+ private:
+  /// Where the 16-bit narrowings of two packets are joined into one 32-byte store (AVX2 without
+  /// AVX-512: one instruction fewer per pair, and half as many stores).
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+  static constexpr bool pairs_stores = width == 8 && (std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>);
+#else
+  static constexpr bool pairs_stores = false;
+#endif
+
+ public:
+  /// Bytes the widest store of store_step / stream_step writes: stream_step stores non-temporally
+  /// where p is aligned to it.
+  static constexpr std::size_t step_store_bytes = pairs_stores ? 2 * stored_bytes : stored_bytes;
+
+  /// v[u] at p + u * width for every u: store() of each packet, or of a pair of them at once (the
+  /// same bytes).
+  template <std::size_t U>
+  GRADAVG_INLINE_ static void store_step(S* p, const P (&v)[U]) noexcept {
+    step_impl<false>(p, v);
+  }
+  /// As store_step, non-temporal where the target has it and p is aligned to step_store_bytes.
+  template <std::size_t U>
+  GRADAVG_INLINE_ static void stream_step(S* p, const P (&v)[U]) noexcept {
+    step_impl<true>(p, v);
+  }
+
   /// As store, with a non-temporal store where the target has one for the converted values and p
   /// is aligned to stored_bytes (packet_ops::stream where S == Acc); otherwise an ordinary store.
   static void stream(S* p, const P& v) noexcept {
@@ -224,6 +250,38 @@ struct storage_ops {
   }
 
  private:
+  template <bool Stream, std::size_t U>
+  GRADAVG_INLINE_ static void step_impl(S* p, const P (&v)[U]) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (pairs_stores && U % 2 == 0) {
+      // Streaming to a pointer off the pairs' alignment: packet by packet below, each of those
+      // stores non-temporal where it is aligned.
+      if (!Stream || reinterpret_cast<std::uintptr_t>(p) % step_store_bytes == 0) {
+        GRADAVG_UNROLL_
+        for (std::size_t u = 0; u < U; u += 2) {
+          __m256i both;
+          if constexpr (std::is_same_v<S, Eigen::bfloat16>) {
+            // Words 0-3 of each packet, then 4-7 of each, per 128-bit lane; the qword permute
+            // puts the first packet's eight before the second's.
+            both = _mm256_permute4x64_epi64(_mm256_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1])), 0xd8);
+          } else {
+            constexpr int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+            both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(v[u], rounding)),
+                                           _mm256_cvtps_ph(v[u + 1], rounding), 1);
+          }
+          auto* q = reinterpret_cast<__m256i*>(p + u * width);
+          if constexpr (Stream) _mm256_stream_si256(q, both); else _mm256_storeu_si256(q, both);
+        }
+        return;
+      }
+    }
+#endif
+    GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; ++u) {
+      if constexpr (Stream) stream(p + u * width, v[u]); else store(p + u * width, v[u]);
+    }
+  }
+
 // The AVX-512 conversions are the zero-masked forms: GCC 12 warns about the unmasked ones'
   // undefined pass-through operand (-Wuninitialized).
 #if defined(EIGEN_VECTORIZE_AVX512)
