@@ -193,7 +193,8 @@ struct storage_ops {
 
  private:
   /// Where the 16-bit narrowings of two packets are joined into one 32-byte store (AVX2 without
-  /// AVX-512: one instruction fewer per pair, and half as many stores).
+  /// AVX-512): half as many stores, and for bfloat16 one pack and one permute per pair instead
+  /// of per packet.
 #if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
   static constexpr bool pairs_stores = width == 8 && (std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>);
 #else
