@@ -396,6 +396,35 @@ TEST_CASE("overflow of a sum of finite inputs is not a non-finite input") {
   CHECK(std::isinf(r.squares[0][0]));  // what IEEE arithmetic gives, not zeroed
 }
 
+TEST_CASE("a non-finite input beside sums that overflowed is still found, in the same step or after") {
+  // The sums of finite inputs overflow on elements [0, 40) of variable 0 (in every group of 16
+  // towers); one NaN or +-Inf input sits in the same step, in a later step, in a later group of
+  // towers or in the next variable. Overflow alone is not reported (the case above, and below).
+  const float big = std::numeric_limits<float>::max();
+  for (std::size_t towers : {4, 17, 33}) {
+    for (bool weighted : {false, true}) {
+      INFO("T = " << towers << (weighted ? ", weighted" : ""));
+      fused_towers<float> w(towers, {300, 50}, {}, 31);
+      for (auto& tower : w.data) std::fill(tower[0].begin(), tower[0].begin() + 40, big);
+      const std::vector<double> weights = weighted ? uneven_weights(towers) : std::vector<double>{};
+      gradavg::options opts{.weights = weights, .on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true};
+      const auto overflowed = run_into(w, opts);
+      CHECK(overflowed.summary.nonfinite_variables == 0);
+      CHECK(std::isinf(overflowed.means[0][0]));
+      const std::vector<poison> poisons{{towers - 1, 0, 3, nan_value},     {0, 0, 39, inf_value},
+                                        {towers / 2, 0, 41, -inf_value},  {towers - 1, 0, 299, nan_value},
+                                        {towers - 1, 1, 0, inf_value}};
+      for (const poison& p : poisons) {
+        INFO("tower " << p.tower << ", variable " << p.variable << ", element " << p.element);
+        const auto r = run_poisoned(w, p, opts);
+        CHECK(r.summary.nonfinite_variables == 1);
+        CHECK(r.per_variable[p.variable].nonfinite);
+        CHECK_FALSE(r.per_variable[1 - p.variable].nonfinite);
+      }
+    }
+  }
+}
+
 // ---- Partial ranges and flat outputs. ----------------------------------------------------------
 
 TEST_CASE("buckets of the flat range: together the same outputs as one full call, nothing outside written") {

@@ -14,7 +14,9 @@
 // f_0 g_0[j] rounded once: the scale meets every input before any sum, so loss-scaled inputs
 // never overflow the sums (or the sums of squares) by their scaled size. With unit weights and
 // c = 1 bitwise the plain results. The fused
-// pass also reports whether any input was NaN or +-Inf and sums mean^2 and square in double.
+// pass also reports whether any input was NaN or +-Inf (probing a step's inputs only where a sum
+// is not finite) and sums mean^2 and square in double. With every f_k and c equal to 1 it runs
+// the plain operations (the same bits).
 // Results are rounded once from the accumulator type to the output type (storage_ops). Every
 // element, tails included, is computed by the same packet operations (a tail is copied into a
 // zero-padded step), so each element's result depends only on its inputs and T — never on
@@ -119,8 +121,8 @@ struct piece_result {
   }
 };
 
-/// Registers of the fused pass over one piece: the non-finite probe (x * 0 summed: 0 while every
-/// input is finite, NaN from the first that is not) and the statistics, lane by lane in double.
+/// Registers of the fused pass over one piece: whether a non-finite input was found, and the
+/// statistics, lane by lane in double.
 template <class Acc>
 struct fused_state {
   using ops = packet_ops<Acc>;
@@ -128,12 +130,11 @@ struct fused_state {
   static constexpr std::size_t U = 4;  // the most packets a step has (step_packets)
   static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
 
-  typename ops::type probe[U];
+  bool nonfinite = false;
   typename D::type mean_squared[U * parts];
   typename D::type mean_of_squares[U * parts];
 
   fused_state() noexcept {
-    for (auto& p : probe) p = ops::broadcast(0);
     for (auto& p : mean_squared) p = D::broadcast(0);
     for (auto& p : mean_of_squares) p = D::broadcast(0);
   }
@@ -157,11 +158,7 @@ struct fused_state {
   /// The piece's result: lanes summed in a fixed order.
   piece_result result() const noexcept {
     piece_result r{};
-    alignas(64) Acc probe_lanes[ops::width];
-    for (std::size_t u = 0; u < U; ++u) {
-      ops::store(probe_lanes, probe[u]);
-      for (Acc x : probe_lanes) r.nonfinite = r.nonfinite || x != x;
-    }
+    r.nonfinite = nonfinite;
     alignas(64) double lanes[D::width];
     for (const auto& p : mean_squared) {
       D::store(lanes, p);
@@ -206,36 +203,33 @@ struct group_pass {
   using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
-  /// outputs non-temporally.
-  template <bool StreamOut>
+  /// outputs non-temporally. Unit (fused only): every f_k and c are 1, so the weighted operations
+  /// are the plain ones (x * 1 is x: the same bits) and the plain ones run.
+  template <bool StreamOut, bool Unit>
   GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st) const noexcept {
+    constexpr bool Weighted = Fused && !Unit;
     P a[U], s[U];
     std::size_t k = 0;
-    const bool detect = Fused && fused->detect;
     P c{};  // the scale, for the squares
-    if constexpr (Fused && Squares) c = ops::broadcast(fused->scale_in_acc);
-    P probe[U];  // st.probe in registers for the step
-    if constexpr (Fused)
-      for (std::size_t u = 0; u < U; ++u) probe[u] = st.probe[u];
+    if constexpr (Weighted && Squares) c = ops::broadcast(fused->scale_in_acc);
     if constexpr (FromAcc) {
       GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < U; ++u) {
+      for (std::size_t u = 0; u < U; ++u) {
         a[u] = ops::load(acc + j + u * W);
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
     } else {
       P w{};
-      if constexpr (Fused) w = ops::broadcast(weights[0]);
+      if constexpr (Weighted) w = ops::broadcast(weights[0]);
       GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < U; ++u) {
+      for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(towers[0] + j + u * W);
-        if constexpr (Fused) {
-          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
+        if constexpr (Weighted) {
           a[u] = ops::mul(x, w);
           if constexpr (Squares) s[u] = ops::mul(a[u], ops::mul(x, c));
         } else {
           a[u] = x;
-          if constexpr (WithSquare) s[u] = ops::mul(x, x);
+          if constexpr (Squares) s[u] = ops::mul(x, x);
         }
       }
       k = 1;
@@ -243,22 +237,30 @@ struct group_pass {
     for (; k < count; ++k) {
       const S* g = towers[k] + j;
       P w{};
-      if constexpr (Fused) w = ops::broadcast(weights[k]);
+      if constexpr (Weighted) w = ops::broadcast(weights[k]);
       GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < U; ++u) {
+      for (std::size_t u = 0; u < U; ++u) {
         const P x = in::load(g + u * W);
-        if constexpr (Fused) {
-          if (detect) probe[u] = ops::mul_add(x, ops::broadcast(0), probe[u]);
+        if constexpr (Weighted) {
           a[u] = ops::mul_add(x, w, a[u]);  // explicit: a compiler's contraction cannot change it
           if constexpr (Squares) s[u] = ops::mul_add(ops::mul(x, w), ops::mul(x, c), s[u]);
         } else {
           a[u] = ops::add(a[u], x);
-          if constexpr (WithSquare) s[u] = ops::mul_add(x, x, s[u]);
+          if constexpr (Squares) s[u] = ops::mul_add(x, x, s[u]);
         }
       }
     }
-    if constexpr (Fused)
-      for (std::size_t u = 0; u < U; ++u) st.probe[u] = probe[u];
+    if constexpr (Fused) {
+      // A NaN or +-Inf input makes its sum NaN or +-Inf (f_k > 0 keeps it infinite, f_k = 0 makes
+      // it NaN), so the inputs are probed only where a sum is not finite: a sum that overflowed
+      // from finite inputs is told apart there, and once one is found nothing more is probed.
+      if (fused->detect && !st.nonfinite) {
+        const P zero = ops::broadcast(0);
+        P probe = ops::mul(a[0], zero);  // 0 for a finite lane, NaN for any other
+        for (std::size_t u = 1; u < U; ++u) probe = ops::mul_add(a[u], zero, probe);
+        if (ops::any_nan(probe)) st.nonfinite = inputs_nonfinite(j);
+      }
+    }
     if constexpr (ToOut) {
       P m[U], q[U];
       GRADAVG_UNROLL_
@@ -292,8 +294,18 @@ struct group_pass {
     }
   }
 
+  /// Whether an input of this group's towers in [j, j + E) is NaN or +-Inf.
+  [[gnu::cold]] [[gnu::noinline]] bool inputs_nonfinite(std::size_t j) const noexcept {
+    const P zero = ops::broadcast(0);
+    P probe = zero;
+    for (std::size_t k = 0; k < count; ++k)
+      for (std::size_t u = 0; u < U; ++u) probe = ops::mul_add(in::load(towers[k] + j + u * W), zero, probe);
+    return ops::any_nan(probe);
+  }
+
   /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
   /// whole steps are, and the n results copied back.
+  template <bool Unit>
   void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
     alignas(64) S in_buf[group_towers][E] = {};
     const S* in_ptrs[group_towers];
@@ -306,7 +318,7 @@ struct group_pass {
     }
     alignas(64) O m_buf[E], q_buf[E];
     const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal, weights, fused, state};
-    padded.template step<false>(0, st);
+    padded.template step<false, Unit>(0, st);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
       if constexpr (Squares)
@@ -317,11 +329,35 @@ struct group_pass {
     }
   }
 
+  /// Elements [0, len).
+  void run(std::size_t len) const noexcept { run_inlined(len); }
+
+  /// run(), inlined into a caller whose towers' pointers and weights are its arrays of
+  /// group_towers: their loads are then unrolled and hoisted out of the steps.
+  GRADAVG_INLINE_ void run_inlined(std::size_t len) const noexcept {
+    registers st;  // a local the compiler can keep in registers, unlike *state
+    if constexpr (Fused) {
+      st = *state;
+      // The plain operations where every f_k and c are 1, only where up to group_towers towers
+      // go straight to the outputs: more towers take the general ones (the same bits), sparing
+      // a second copy of the block passes.
+      if constexpr (!FromAcc && ToOut) {
+        bool unit = fused->scale_in_acc == Acc(1);
+        for (std::size_t k = 0; k < count; ++k) unit = unit && weights[k] == Acc(1);
+        if (unit) run_steps<true>(len, st); else run_steps<false>(len, st);
+      } else {
+        run_steps<false>(len, st);
+      }
+      *state = st;
+    } else {
+      run_steps<false>(len, st);
+    }
+  }
+
   /// Elements [0, len): when streaming, a partial step up to the alignment of the outputs' widest
   /// stores (step_store_bytes); whole steps; then a partial step for the tail.
-  void run(std::size_t len) const noexcept {
-    registers st;  // a local the compiler can keep in registers, unlike *state
-    if constexpr (Fused) st = *state;
+  template <bool Unit>
+  GRADAVG_INLINE_ void run_steps(std::size_t len, registers& st) const noexcept {
     std::size_t j = 0;
     if constexpr (ToOut && Stream) {
       // Not with statistics: their lanes follow the steps, which must not move with the outputs'
@@ -329,12 +365,11 @@ struct group_pass {
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
       if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
         j = std::min(len, (out::step_store_bytes - misaligned) / sizeof(O));
-        partial_step(0, j, st);
+        partial_step<Unit>(0, j, st);
       }
     }
-    for (; j + E <= len; j += E) step<ToOut && Stream>(j, st);
-    if (j < len) partial_step(j, len - j, st);
-    if constexpr (Fused) *state = st;
+    for (; j + E <= len; j += E) step<ToOut && Stream, Unit>(j, st);
+    if (j < len) partial_step<Unit>(j, len - j, st);
   }
 };
 
@@ -441,7 +476,7 @@ piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t to
     group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
         v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
         v.weights, fused, v.state_ptr()}
-        .run(end - begin);
+        .run_inlined(end - begin);
   } else {
     reduce_blocks<S, Acc, O, Fused, WithSquare, Stream>(v, tower_data, tower_count, begin, end, mean, square, divisor,
                                                         reciprocal, fused);

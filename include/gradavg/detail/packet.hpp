@@ -80,6 +80,33 @@ struct packet_ops {
                                     broadcast(std::numeric_limits<T>::quiet_NaN()));
   }
 
+  /// Whether any lane of v is NaN.
+  static bool any_nan(const type& v) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX512)
+    if constexpr (bytes == 64) {
+      if constexpr (std::is_same_v<T, float>) return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+      else return _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q) != 0;
+    }
+#endif
+#if defined(EIGEN_VECTORIZE_AVX)
+    if constexpr (bytes == 32) {
+      if constexpr (std::is_same_v<T, float>) return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
+      else return _mm256_movemask_pd(_mm256_cmp_pd(v, v, _CMP_UNORD_Q)) != 0;
+    }
+#endif
+#if defined(EIGEN_VECTORIZE_SSE2)
+    if constexpr (bytes == 16) {
+      if constexpr (std::is_same_v<T, float>) return _mm_movemask_ps(_mm_cmpunord_ps(v, v)) != 0;
+      else return _mm_movemask_pd(_mm_cmpunord_pd(v, v)) != 0;
+    }
+#endif
+    alignas(64) T lanes[width];
+    store(lanes, v);
+    bool found = false;
+    for (T x : lanes) found = found || x != x;
+    return found;
+  }
+
   /// Stores v at p with a non-temporal store where the target has one and p is aligned to a
   /// packet; otherwise an ordinary store.
   static void stream(T* p, const type& v) noexcept {
