@@ -48,9 +48,13 @@ endif()
 
 # What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
 # only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
-# x86-64-v4 feature (the tests' instruction-set matrix then skips its repeat of that level).
+# x86-64-v4 feature; _gradavg_native_v3, AVX2, FMA and F16C without AVX-512: the same kernel and
+# Eigen packet paths as -march=x86-64-v3 (gradavg and Eigen choose their paths by __AVX2__,
+# __FMA__, __F16C__ and the __AVX512*__ macros). The tests' instruction-set matrix skips its
+# repeat of the level that the native build already is.
 set(_gradavg_native_avx512 OFF)
 set(_gradavg_native_v4 OFF)
+set(_gradavg_native_v3 OFF)
 if(GRADAVG_NATIVE)
   include(CheckCXXSourceCompiles)
   set(CMAKE_REQUIRED_FLAGS -march=native)
@@ -64,6 +68,10 @@ if(GRADAVG_NATIVE)
     "#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && defined(__AVX512VL__))\n#error not x86-64-v4\n#endif\nint main() { return 0; }"
     GRADAVG_NATIVE_HAS_X86_64_V4)
   set(_gradavg_native_v4 ${GRADAVG_NATIVE_HAS_X86_64_V4})
+  check_cxx_source_compiles(
+    "#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__AVX512F__)\n#error not x86-64-v3 paths\n#endif\nint main() { return 0; }"
+    GRADAVG_NATIVE_IS_X86_64_V3_PATHS)
+  set(_gradavg_native_v3 ${GRADAVG_NATIVE_IS_X86_64_V3_PATHS})
   unset(CMAKE_REQUIRED_FLAGS)
   unset(CMAKE_REQUIRED_QUIET)
 endif()
