@@ -122,37 +122,62 @@ struct piece_result {
 };
 
 /// Registers of the fused pass over one piece: whether a non-finite input was found, and the
-/// statistics, lane by lane in double.
+/// statistics, lane by lane in double (one accumulator per double packet of a step's packet, few
+/// enough to stay in registers beside the step's sums).
 template <class Acc>
 struct fused_state {
   using ops = packet_ops<Acc>;
   using D = packet_ops<double>;
-  static constexpr std::size_t U = 4;  // the most packets a step has (step_packets)
   static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
 
   bool nonfinite = false;
-  typename D::type mean_squared[U * parts];
-  typename D::type mean_of_squares[U * parts];
+  typename D::type mean_squared[parts];
+  typename D::type mean_of_squares[parts];
 
   fused_state() noexcept {
     for (auto& p : mean_squared) p = D::broadcast(0);
     for (auto& p : mean_of_squares) p = D::broadcast(0);
   }
 
-  GRADAVG_INLINE_ void add_statistics(std::size_t u, const typename ops::type& m, const typename ops::type& q) noexcept {
-    if constexpr (std::is_same_v<Acc, double>) {
-      mean_squared[u] = D::mul_add(m, m, mean_squared[u]);
-      mean_of_squares[u] = D::add(q, mean_of_squares[u]);
-    } else {
-      typename D::type wide_m[parts], wide_q[parts];
-      widen_ops::widen(m, wide_m);
-      widen_ops::widen(q, wide_q);
-      GRADAVG_UNROLL_
-      for (std::size_t p = 0; p < parts; ++p) {
-        mean_squared[u * parts + p] = D::mul_add(wide_m[p], wide_m[p], mean_squared[u * parts + p]);
-        mean_of_squares[u * parts + p] = D::add(wide_q[p], mean_of_squares[u * parts + p]);
+  /// Adds a step's N packets of means m and means of squares q, widened to double: the squares
+  /// m^2 (exact in double for float means) and q summed in pairs of packets, the pairs in order,
+  /// then added to the accumulators — one dependent addition per accumulator and step.
+  template <std::size_t N>
+  GRADAVG_INLINE_ void add_statistics(const typename ops::type (&m)[N], const typename ops::type (&q)[N]) noexcept {
+    typename D::type wide_m[N][parts], wide_q[N][parts];
+    GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < N; ++u) {
+      if constexpr (std::is_same_v<Acc, double>) {
+        wide_m[u][0] = m[u];
+        wide_q[u][0] = q[u];
+      } else {
+        widen_ops::widen(m[u], wide_m[u]);
+        widen_ops::widen(q[u], wide_q[u]);
       }
     }
+    GRADAVG_UNROLL_
+    for (std::size_t p = 0; p < parts; ++p) {
+      typename D::type step_m = pair_of_squares(wide_m, 0, p), step_q = pair_sum(wide_q, 0, p);
+      GRADAVG_UNROLL_
+      for (std::size_t u = 2; u < N; u += 2) {
+        step_m = D::add(step_m, pair_of_squares(wide_m, u, p));
+        step_q = D::add(step_q, pair_sum(wide_q, u, p));
+      }
+      mean_squared[p] = D::add(mean_squared[p], step_m);
+      mean_of_squares[p] = D::add(mean_of_squares[p], step_q);
+    }
+  }
+
+  template <std::size_t N>
+  GRADAVG_INLINE_ static typename D::type pair_of_squares(const typename D::type (&w)[N][parts], std::size_t u,
+                                                          std::size_t p) noexcept {
+    const typename D::type first = D::mul(w[u][p], w[u][p]);
+    return u + 1 < N ? D::mul_add(w[u + 1][p], w[u + 1][p], first) : first;
+  }
+  template <std::size_t N>
+  GRADAVG_INLINE_ static typename D::type pair_sum(const typename D::type (&w)[N][parts], std::size_t u,
+                                                   std::size_t p) noexcept {
+    return u + 1 < N ? D::add(w[u][p], w[u + 1][p]) : w[u][p];
   }
 
   /// The piece's result: lanes summed in a fixed order.
@@ -276,9 +301,9 @@ struct group_pass {
         }
         m[u] = ops::canonical_nan(m[u]);
         if constexpr (Squares) q[u] = ops::canonical_nan(q[u]);
-        if constexpr (Fused && Squares)
-          if (fused->statistics) st.add_statistics(u, m[u], q[u]);
       }
+      if constexpr (Fused && Squares)
+        if (fused->statistics) st.add_statistics(m, q);
       if constexpr (StreamOut) out::stream_step(mean + j, m); else out::store_step(mean + j, m);
       if constexpr (Squares) {
         if (!Fused || square != nullptr) {
@@ -368,7 +393,11 @@ struct group_pass {
         partial_step<Unit>(0, j, st);
       }
     }
-    for (; j + E <= len; j += E) step<ToOut && Stream, Unit>(j, st);
+    // The whole steps update a copy whose address is never taken (partial_step takes st's), so
+    // that the compiler can keep the fused state in registers across the steps.
+    registers in_steps = st;
+    for (; j + E <= len; j += E) step<ToOut && Stream, Unit>(j, in_steps);
+    st = in_steps;
     if (j < len) partial_step<Unit>(j, len - j, st);
   }
 };
