@@ -355,6 +355,19 @@ TEST_CASE("16-bit results are bitwise identical for 1, 2, 3 and 8 threads and a 
     opts.samples_per_tower = 2;
     require_same_for_every_thread_count<float>(w, opts, fused_tolerance<float>(17));
   }
+  SECTION("bfloat16, T = 5 and 20, bfloat16 outputs") {
+    // Sizes off the 32-element step, a variable absent on every tower; 20 towers: the blocked path.
+    for (std::size_t towers : {5u, 20u}) {
+      INFO("T = " << towers);
+      const fused_towers<bf16> w(towers, {7, 150001, 31, 170003}, {false, false, true, false},
+                                 static_cast<std::uint32_t>(502 + towers));
+      gradavg::options opts;
+      opts.statistics = true;
+      opts.scale = 0.5;
+      opts.on_nonfinite = gradavg::nonfinite_policy::report;
+      require_same_for_every_thread_count<bf16>(w, opts, fused_tolerance<float>(towers));
+    }
+  }
 }
 
 namespace {

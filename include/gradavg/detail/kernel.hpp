@@ -211,6 +211,12 @@ struct group_pass {
   static constexpr std::size_t U = step_packets<S, Acc>;
   static constexpr std::size_t E = step_elements<S, Acc>;
   static constexpr bool Squares = WithSquare;  // fused: a squares output, or statistics
+  /// bfloat16 gradients where the target has it: a step's packets in lane order
+  /// (storage_ops::lane_order). bfloat16 outputs are packed from it into memory order; float
+  /// outputs and the accumulator block are exchanged into memory order before their stores.
+  static constexpr bool LaneOrder =
+      in::lane_order && U % 2 == 0 && (std::is_same_v<O, S> || std::is_same_v<O, Acc>);
+  static constexpr bool LaneOrderOut = LaneOrder && std::is_same_v<O, S>;
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
@@ -243,12 +249,18 @@ struct group_pass {
         a[u] = ops::load(acc + j + u * W);
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
+      if constexpr (LaneOrder) {
+        in::exchange_lane_order(a);
+        if constexpr (Squares) in::exchange_lane_order(s);
+      }
     } else {
       P w{};
       if constexpr (Weighted) w = ops::broadcast(weights[0]);
+      P xs[U];
+      in::template load_step<LaneOrder>(towers[0] + j, xs);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
-        const P x = in::load(towers[0] + j + u * W);
+        const P x = xs[u];
         if constexpr (Weighted) {
           a[u] = ops::mul(x, w);
           if constexpr (Squares) s[u] = ops::mul(a[u], ops::mul(x, c));
@@ -263,9 +275,11 @@ struct group_pass {
       const S* g = towers[k] + j;
       P w{};
       if constexpr (Weighted) w = ops::broadcast(weights[k]);
+      P xs[U];
+      in::template load_step<LaneOrder>(g, xs);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
-        const P x = in::load(g + u * W);
+        const P x = xs[u];
         if constexpr (Weighted) {
           a[u] = ops::mul_add(x, w, a[u]);  // explicit: a compiler's contraction cannot change it
           if constexpr (Squares) s[u] = ops::mul_add(ops::mul(x, w), ops::mul(x, c), s[u]);
@@ -304,13 +318,21 @@ struct group_pass {
       }
       if constexpr (Fused && Squares)
         if (fused->statistics) st.add_statistics(m, q);
-      if constexpr (StreamOut) out::stream_step(mean + j, m); else out::store_step(mean + j, m);
+      if constexpr (LaneOrder && !LaneOrderOut) {
+        in::exchange_lane_order(m);
+        if constexpr (Squares) in::exchange_lane_order(q);
+      }
+      if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
       if constexpr (Squares) {
         if (!Fused || square != nullptr) {
-          if constexpr (StreamOut) out::stream_step(square + j, q); else out::store_step(square + j, q);
+          if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
         }
       }
     } else {
+      if constexpr (LaneOrder) {  // the block in memory order: partial steps copy it by element
+        in::exchange_lane_order(a);
+        if constexpr (Squares) in::exchange_lane_order(s);
+      }
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
         ops::store(acc + j + u * W, a[u]);

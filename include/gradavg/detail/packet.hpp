@@ -233,16 +233,66 @@ struct storage_ops {
   /// where p is aligned to it.
   static constexpr std::size_t step_store_bytes = pairs_stores ? 2 * stored_bytes : stored_bytes;
 
-  /// v[u] at p + u * width for every u: store() of each packet, or of a pair of them at once (the
-  /// same bytes).
-  template <std::size_t U>
-  GRADAVG_INLINE_ static void store_step(S* p, const P (&v)[U]) noexcept {
-    step_impl<false>(p, v);
+  /// Whether a step of bfloat16 values can be kept in lane order (bfloat16 on AVX2): each pair of
+  /// packets u, u + 1 holds the pair's 16 elements as one 256-bit register's 128-bit lanes widen
+  /// them, elements 0-3 and 8-11 in packet u, 4-7 and 12-15 in packet u + 1. One load and two
+  /// unpacks widen a pair, and one pack narrows it back into memory order, where element order
+  /// costs two widenings and a shift each, and a permute. The sums are elementwise, so a pass
+  /// whose loads and stores all use it computes the same values as in memory order.
+  static constexpr bool lane_order = pairs_stores && std::is_same_v<S, Eigen::bfloat16>;
+
+  /// Loads a step's packets x[u] from p + u * width: in memory order (load() of each), or in lane
+  /// order where InLaneOrder (lane_order is then required, and U even).
+  template <bool InLaneOrder, std::size_t U>
+  GRADAVG_INLINE_ static void load_step(const S* p, P (&x)[U]) noexcept {
+    if constexpr (InLaneOrder) {
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+      static_assert(lane_order && U % 2 == 0);
+      const __m256i zero = _mm256_setzero_si256();
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; u += 2) {
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + u * width));
+        x[u] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, both));
+        x[u + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, both));
+      }
+#else
+      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2");
+#endif
+    } else {
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) x[u] = load(p + u * width);
+    }
   }
-  /// As store_step, non-temporal where the target has it and p is aligned to step_store_bytes.
+
+  /// Packets of Acc in lane order to memory order, or back (the same exchange of each pair's
+  /// 128-bit halves, its own inverse): for sums kept in memory between passes, which partial
+  /// steps copy element by element.
   template <std::size_t U>
+  GRADAVG_INLINE_ static void exchange_lane_order(P (&x)[U]) noexcept {
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+    static_assert(lane_order && U % 2 == 0);
+    GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; u += 2) {
+      const P low = _mm256_permute2f128_ps(x[u], x[u + 1], 0x20);
+      x[u + 1] = _mm256_permute2f128_ps(x[u], x[u + 1], 0x31);
+      x[u] = low;
+    }
+#else
+    static_assert(U == 0, "gradavg: lane order needs bfloat16 on AVX2");
+#endif
+  }
+
+  /// v[u] at p + u * width for every u: store() of each packet, or of a pair of them at once (the
+  /// same bytes). InLaneOrder: v is in lane order (load_step), stored in memory order.
+  template <bool InLaneOrder = false, std::size_t U>
+  GRADAVG_INLINE_ static void store_step(S* p, const P (&v)[U]) noexcept {
+    step_impl<false, InLaneOrder>(p, v);
+  }
+  /// As store_step, non-temporal where the target has it and p is aligned to step_store_bytes
+  /// (in lane order: where p is aligned to a half of it).
+  template <bool InLaneOrder = false, std::size_t U>
   GRADAVG_INLINE_ static void stream_step(S* p, const P (&v)[U]) noexcept {
-    step_impl<true>(p, v);
+    step_impl<true, InLaneOrder>(p, v);
   }
 
   /// As store, with a non-temporal store where the target has one for the converted values and p
@@ -278,35 +328,58 @@ struct storage_ops {
   }
 
  private:
-  template <bool Stream, std::size_t U>
+  template <bool Stream, bool InLaneOrder, std::size_t U>
   GRADAVG_INLINE_ static void step_impl(S* p, const P (&v)[U]) noexcept {
+    if constexpr (InLaneOrder) {
 #if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
-    if constexpr (pairs_stores && U % 2 == 0) {
-      // Streaming to a pointer off the pairs' alignment: packet by packet below, each of those
-      // stores non-temporal where it is aligned.
-      if (!Stream || reinterpret_cast<std::uintptr_t>(p) % step_store_bytes == 0) {
-        GRADAVG_UNROLL_
-        for (std::size_t u = 0; u < U; u += 2) {
-          __m256i both;
-          if constexpr (std::is_same_v<S, Eigen::bfloat16>) {
-            // Words 0-3 of each packet, then 4-7 of each, per 128-bit lane; the qword permute
-            // puts the first packet's eight before the second's.
-            both = _mm256_permute4x64_epi64(_mm256_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1])), 0xd8);
-          } else {
-            constexpr int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(v[u], rounding)),
-                                           _mm256_cvtps_ph(v[u + 1], rounding), 1);
-          }
-          auto* q = reinterpret_cast<__m256i*>(p + u * width);
-          if constexpr (Stream) _mm256_stream_si256(q, both); else _mm256_storeu_si256(q, both);
+      static_assert(lane_order && U % 2 == 0);
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; u += 2) {
+        // Per 128-bit lane: packet u's four words, then packet u + 1's: memory order.
+        const __m256i both = _mm256_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1]));
+        S* q = p + u * width;
+        const auto address = reinterpret_cast<std::uintptr_t>(q);
+        if (Stream && address % 32 == 0) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(q), both);
+        } else if (Stream && address % 16 == 0) {
+          _mm_stream_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(both));
+          _mm_stream_si128(reinterpret_cast<__m128i*>(q + width), _mm256_extracti128_si256(both, 1));
+        } else {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), both);
         }
-        return;
       }
-    }
+#else
+      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2");
 #endif
-    GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < U; ++u) {
-      if constexpr (Stream) stream(p + u * width, v[u]); else store(p + u * width, v[u]);
+    } else {
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+      if constexpr (pairs_stores && U % 2 == 0) {
+        // Streaming to a pointer off the pairs' alignment: packet by packet below, each of those
+        // stores non-temporal where it is aligned.
+        if (!Stream || reinterpret_cast<std::uintptr_t>(p) % step_store_bytes == 0) {
+          GRADAVG_UNROLL_
+          for (std::size_t u = 0; u < U; u += 2) {
+            __m256i both;
+            if constexpr (std::is_same_v<S, Eigen::bfloat16>) {
+              // Words 0-3 of each packet, then 4-7 of each, per 128-bit lane; the qword permute
+              // puts the first packet's eight before the second's.
+              both = _mm256_permute4x64_epi64(_mm256_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1])), 0xd8);
+            } else {
+              constexpr int rounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+              both = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(v[u], rounding)),
+                                             _mm256_cvtps_ph(v[u + 1], rounding), 1);
+            }
+            auto* q = reinterpret_cast<__m256i*>(p + u * width);
+            if constexpr (Stream) _mm256_stream_si256(q, both); else _mm256_storeu_si256(q, both);
+          }
+          return;
+        }
+      }
+#endif
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        if constexpr (Stream) stream(p + u * width, v[u]); else store(p + u * width, v[u]);
+      }
     }
   }
 
