@@ -122,8 +122,8 @@ struct piece_result {
 };
 
 /// Registers of the fused pass over one piece: whether a non-finite input was found, and the
-/// statistics, lane by lane in double (one accumulator per double packet of a step's packet, few
-/// enough to stay in registers beside the step's sums).
+/// statistics, lane by lane in double (one accumulator per double packet that a packet of Acc
+/// widens into: few enough to stay in registers beside the step's sums).
 template <class Acc>
 struct fused_state {
   using ops = packet_ops<Acc>;
