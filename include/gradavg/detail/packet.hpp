@@ -268,7 +268,7 @@ struct storage_ops {
   /// 128-bit halves, its own inverse): for sums kept in memory between passes, which partial
   /// steps copy element by element.
   template <std::size_t U>
-  GRADAVG_INLINE_ static void exchange_lane_order(P (&x)[U]) noexcept {
+  GRADAVG_INLINE_ static void exchange_lane_order([[maybe_unused]] P (&x)[U]) noexcept {
 #if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
