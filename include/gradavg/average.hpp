@@ -318,20 +318,13 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
   return result;
 }
 
-/// Every (gradients, accumulator, outputs) element-type combination of average_pass, which holds
-/// all the kernel code: X(S, Acc, O) for each. See kernels.hpp.
-#define GRADAVG_PASS_INSTANCES_(X)                                                            \
-  X(float, float, float) X(float, double, float) X(double, double, double)                    \
-  X(Eigen::half, float, Eigen::half) X(Eigen::half, float, float)                             \
-  X(Eigen::bfloat16, float, Eigen::bfloat16) X(Eigen::bfloat16, float, float)
+/// average_pass for each of GRADAVG_KERNEL_INSTANCES_ (kernel.hpp; see kernels.hpp).
 #define GRADAVG_PASS_INSTANCE_(S, Acc, O) \
   template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_source<S, O>&, bool, const options&);
 #define GRADAVG_EXTERN_PASS_INSTANCE_(S, Acc, O) extern GRADAVG_PASS_INSTANCE_(S, Acc, O)
 
-// GRADAVG_EXTERN_KERNELS: this translation unit does not compile the kernel; one other unit of
-// the program, built for the same instruction set, includes <gradavg/kernels.hpp> (kernels.hpp).
-#if defined(GRADAVG_EXTERN_KERNELS)
-GRADAVG_PASS_INSTANCES_(GRADAVG_EXTERN_PASS_INSTANCE_)
+#if defined(GRADAVG_EXTERN_KERNELS)  // see kernel.hpp
+GRADAVG_KERNEL_INSTANCES_(GRADAVG_EXTERN_PASS_INSTANCE_)
 #endif
 
 /// average_pass over callables: size_of(i), tower_data(i, k), mean_ptr(i), square_ptr(i).

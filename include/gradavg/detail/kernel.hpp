@@ -318,13 +318,11 @@ struct group_pass {
       }
       if constexpr (Fused && Squares)
         if (fused->statistics) st.add_statistics(m, q);
-      if constexpr (LaneOrder && !LaneOrderOut) {
-        in::exchange_lane_order(m);
-        if constexpr (Squares) in::exchange_lane_order(q);
-      }
+      if constexpr (LaneOrder && !LaneOrderOut) in::exchange_lane_order(m);
       if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
       if constexpr (Squares) {
-        if (!Fused || square != nullptr) {
+        if (!Fused || square != nullptr) {  // else the squares fed only the statistics
+          if constexpr (LaneOrder && !LaneOrderOut) in::exchange_lane_order(q);
           if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
         }
       }
@@ -568,6 +566,23 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
     return reduce_range_impl<S, Acc, O, false, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
   return reduce_range_impl<S, Acc, O, false, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused);
 }
+
+/// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
+/// kernel for: X(S, Acc, O) for each (the passes of average.hpp, the MPI path's buffers).
+#define GRADAVG_KERNEL_INSTANCES_(X)                                                            \
+  X(float, float, float) X(float, double, float) X(double, double, double)                      \
+  X(Eigen::half, float, Eigen::half) X(Eigen::half, float, float)                               \
+  X(Eigen::bfloat16, float, Eigen::bfloat16) X(Eigen::bfloat16, float, float)
+#define GRADAVG_REDUCE_RANGE_INSTANCE_(S, Acc, O)                                                            \
+  template piece_result reduce_range<S, Acc, O>(const tower_reader<S>&, std::size_t, std::size_t, std::size_t, \
+                                                O*, O*, bool, Acc, const fused_params<Acc>*);
+#define GRADAVG_EXTERN_REDUCE_RANGE_INSTANCE_(S, Acc, O) extern GRADAVG_REDUCE_RANGE_INSTANCE_(S, Acc, O)
+
+// GRADAVG_EXTERN_KERNELS: this translation unit does not compile the kernel; one other unit of
+// the program, built for the same instruction set, includes <gradavg/kernels.hpp>.
+#if defined(GRADAVG_EXTERN_KERNELS)
+GRADAVG_KERNEL_INSTANCES_(GRADAVG_EXTERN_REDUCE_RANGE_INSTANCE_)
+#endif
 
 }  // namespace detail
 GRADAVG_END_ISA_NAMESPACE

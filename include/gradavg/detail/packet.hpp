@@ -24,6 +24,12 @@
 
 #include "isa.hpp"
 
+// AVX2 with F16C and without AVX-512: the target where 16-bit packets go in pairs (one 32-byte
+// store of two narrowed packets, bfloat16 in lane order).
+#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#define GRADAVG_AVX2_PAIRS_ 1
+#endif
+
 /// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
 /// registers out of memory).
 #if defined(__GNUC__) || defined(__clang__)
@@ -222,7 +228,7 @@ struct storage_ops {
   /// Where the 16-bit narrowings of two packets are joined into one 32-byte store (AVX2 without
   /// AVX-512): half as many stores, and for bfloat16 one pack and one permute per pair instead
   /// of per packet.
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_AVX2_PAIRS_)
   static constexpr bool pairs_stores = width == 8 && (std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>);
 #else
   static constexpr bool pairs_stores = false;
@@ -246,7 +252,7 @@ struct storage_ops {
   template <bool InLaneOrder, std::size_t U>
   GRADAVG_INLINE_ static void load_step(const S* p, P (&x)[U]) noexcept {
     if constexpr (InLaneOrder) {
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_AVX2_PAIRS_)
       static_assert(lane_order && U % 2 == 0);
       const __m256i zero = _mm256_setzero_si256();
       GRADAVG_UNROLL_
@@ -269,7 +275,7 @@ struct storage_ops {
   /// steps copy element by element.
   template <std::size_t U>
   GRADAVG_INLINE_ static void exchange_lane_order([[maybe_unused]] P (&x)[U]) noexcept {
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_AVX2_PAIRS_)
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; u += 2) {
@@ -331,7 +337,7 @@ struct storage_ops {
   template <bool Stream, bool InLaneOrder, std::size_t U>
   GRADAVG_INLINE_ static void step_impl(S* p, const P (&v)[U]) noexcept {
     if constexpr (InLaneOrder) {
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_AVX2_PAIRS_)
       static_assert(lane_order && U % 2 == 0);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; u += 2) {
@@ -352,7 +358,7 @@ struct storage_ops {
       static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2");
 #endif
     } else {
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_AVX2_PAIRS_)
       if constexpr (pairs_stores && U % 2 == 0) {
         // Streaming to a pointer off the pairs' alignment: packet by packet below, each of those
         // stores non-temporal where it is aligned.
