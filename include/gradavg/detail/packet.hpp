@@ -161,7 +161,7 @@ struct storage_ops {
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
         return _mm512_castsi512_ps(
             _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+#elif defined(GRADAVG_AVX2_PAIRS_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
         return _mm256_cvtps_pd(_mm_loadu_ps(p));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -194,7 +194,7 @@ struct storage_ops {
                                    _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
         return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
-#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+#elif defined(GRADAVG_AVX2_PAIRS_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
         return _mm_storeu_ps(p, _mm256_cvtpd_ps(v));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -316,7 +316,7 @@ struct storage_ops {
                                      _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
           return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
-#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+#elif defined(GRADAVG_AVX2_PAIRS_)
         if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
           return _mm_stream_ps(p, _mm256_cvtpd_ps(v));
         if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -408,7 +408,7 @@ struct storage_ops {
     const __m128i is_nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
     return _mm_or_si128(_mm_andnot_si128(is_nan, rounded), _mm_and_si128(is_nan, _mm_set1_epi32(0x7fc0)));
   }
-#elif defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__)
+#elif defined(GRADAVG_AVX2_PAIRS_)
   static __m256i bfloat16_bits(const __m256& v) noexcept {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
