@@ -7,7 +7,8 @@
 #      released form, vcpkg_from_github, instead: the tarball GitHub would serve for HEAD is made
 #      with git archive into $VCPKG_ROOT/downloads, and a copy of the port names HEAD and its SHA512;
 #   2. configures, builds and runs tests/package/consumer with vcpkg's toolchain file, checking that
-#      gradavg and Eigen both come from vcpkg's install tree;
+#      gradavg and Eigen both come from vcpkg's install tree, with the kernel compiled once in its
+#      own unit (GRADAVG_EXTERN_KERNELS, the installed <gradavg/kernels.hpp>);
 #   3. compiles and runs the same program with the flags of vcpkg's gradavg.pc and eigen3.pc only.
 #
 #   bash scripts/check-vcpkg-port.sh [VCPKG_ROOT]      (or VCPKG_ROOT in the environment)
@@ -108,7 +109,7 @@ cmake -S tests/package/consumer -B "$work/consumer" "${generator[@]}" -DCMAKE_BU
   -DCMAKE_TOOLCHAIN_FILE="$root/scripts/buildsystems/vcpkg.cmake" -DVCPKG_TARGET_TRIPLET="$triplet" \
   -DVCPKG_INSTALLED_DIR="$installed" -DVCPKG_MANIFEST_MODE=OFF \
   -DGRADAVG_CONSUMER_MODE=find_package -DGRADAVG_EXPECTED_VERSION="$version" \
-  -DGRADAVG_EXPECTED_PREFIX="$tree" -DGRADAVG_EXPECTED_EIGEN_PREFIX="$tree"
+  -DGRADAVG_EXPECTED_PREFIX="$tree" -DGRADAVG_EXPECTED_EIGEN_PREFIX="$tree" -DGRADAVG_CONSUMER_EXTERN_KERNELS=ON
 cmake --build "$work/consumer" -j "${JOBS:-2}"
 "$work/consumer/gradavg_consumer"
 say "   consumer configured, built and ran in $((SECONDS - t)) s"
