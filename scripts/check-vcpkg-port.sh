@@ -18,7 +18,7 @@
 # missing one fail at once instead of reaching for the network. Build tools (cmake, ninja, a C++20
 # compiler, git, pkg-config) come from PATH (VCPKG_FORCE_SYSTEM_BINARIES=1 unless set); so must
 # patchelf offline (Debian: patchelf), which vcpkg runs over a Linux port's files (here: usage),
-# else downloads.
+# else downloads: the script installs it with apt-get when it is missing and apt-get is there.
 # Knobs: GRADAVG_PORT_SOURCE (local or github, above), TRIPLET (default from the machine), WORK
 # (scratch folder, default a new one under /tmp). Into $VCPKG_ROOT, vcpkg and this script write
 # only the port's source archive, under downloads/.
@@ -56,6 +56,13 @@ case $(uname -m) in
   aarch64 | arm64) triplet=${TRIPLET:-arm64-linux} ;;
   *) triplet=${TRIPLET:?set TRIPLET for this machine} ;;
 esac
+if [[ $(uname -s) == Linux ]] && ! command -v patchelf >/dev/null && command -v apt-get >/dev/null; then
+  say "installing: patchelf (vcpkg runs it over the port's files; offline it cannot download its own)"
+  sudo=""
+  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends patchelf
+fi
 work=${WORK:-$(mktemp -d /tmp/gradavg-vcpkg.XXXXXX)}
 mkdir -p "$work"
 installed=$work/installed
