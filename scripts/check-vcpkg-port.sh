@@ -56,12 +56,9 @@ case $(uname -m) in
   aarch64 | arm64) triplet=${TRIPLET:-arm64-linux} ;;
   *) triplet=${TRIPLET:?set TRIPLET for this machine} ;;
 esac
+# vcpkg runs patchelf over the port's files; offline it cannot download its own.
 if [[ $(uname -s) == Linux ]] && ! command -v patchelf >/dev/null && command -v apt-get >/dev/null; then
-  say "installing: patchelf (vcpkg runs it over the port's files; offline it cannot download its own)"
-  sudo=""
-  if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
-  $sudo apt-get update -qq
-  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends patchelf
+  bash scripts/install-deps.sh patchelf
 fi
 work=${WORK:-$(mktemp -d /tmp/gradavg-vcpkg.XXXXXX)}
 mkdir -p "$work"

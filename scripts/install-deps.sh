@@ -3,6 +3,10 @@
 # Debian 12's archive. Every package is named explicitly: the install runs with
 # --no-install-recommends, so nothing a package only recommends comes along.
 # Skips the install when every package is already there. Needs root (or sudo).
+#
+#   bash scripts/install-deps.sh              the packages below
+#   bash scripts/install-deps.sh <package>... those packages instead (a script's own tool:
+#                                             valgrind.sh, check-vcpkg-port.sh)
 set -euo pipefail
 
 packages=(
@@ -23,6 +27,7 @@ packages=(
                                     # nothing they only recommend is used (libopenmpi-dev recommends
                                     # Fortran coarrays alone); openmpi-bin's ssh client is a dependency
 )
+if (($# > 0)); then packages=("$@"); fi
 
 missing=()
 for p in "${packages[@]}"; do

@@ -5,7 +5,7 @@
 #
 #   bash scripts/valgrind.sh
 #
-# Installs valgrind when it is missing (Debian: apt-get, with sudo when not root). Valgrind 3.19
+# Installs valgrind when it is missing (scripts/install-deps.sh: apt-get, with sudo when not root). Valgrind 3.19
 # cannot decode AVX-512, so the tests are built for x86-64-v3 (AVX2 + FMA: 32-byte packets, the
 # widest it runs) instead of -march=native, in ${GRADAVG_BUILD_ROOT:-build}/valgrind, with
 # ${GRADAVG_JOBS:-$(nproc)} build jobs. Valgrind replaces the allocation functions itself, so the
@@ -18,12 +18,7 @@ build="${GRADAVG_BUILD_ROOT:-build}/valgrind"
 jobs="${GRADAVG_JOBS:-$(nproc)}"
 
 if ! command -v valgrind > /dev/null; then
-  echo "installing: valgrind"
-  sudo=""
-  if [ "$(id -u)" -ne 0 ]; then sudo="sudo"; fi
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo apt-get update -qq
-  $sudo apt-get install -y -qq --no-install-recommends valgrind
+  bash scripts/install-deps.sh valgrind
 fi
 
 tests=(test_errors test_in_place test_aliasing)
