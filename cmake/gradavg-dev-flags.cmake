@@ -10,6 +10,8 @@
 #   gradavg_dev_sanitize_flags  the sanitizers alone (for third-party code built here)
 #   gradavg_dev_base_flags      warnings and sanitizers, no instruction-set flag
 #   gradavg_dev_flags           the same plus -march=native when GRADAVG_NATIVE is on
+#   gradavg_dev_kernels         the kernel (<gradavg/kernels.hpp>) compiled once with
+#                               gradavg_dev_flags; linking it defines GRADAVG_EXTERN_KERNELS
 # gradavg_suppress_eigen_avx512_warnings(<target>) is the one place where a warning is turned
 # off; see there.
 if(CMAKE_CROSSCOMPILING)
@@ -45,6 +47,16 @@ target_link_libraries(gradavg_dev_flags INTERFACE gradavg_dev_base_flags)
 if(GRADAVG_NATIVE)
   target_compile_options(gradavg_dev_flags INTERFACE -march=native)
 endif()
+
+# The kernel compiled once per build tree, for the tests and examples built with
+# gradavg_dev_flags: they link it instead of compiling it themselves (10 to 45 s of each unit's
+# compile at -O2, the most for libtorch's run-time element types), as the README's "Compile time"
+# shows users. Built only when something links it.
+file(CONFIGURE OUTPUT "${PROJECT_BINARY_DIR}/gradavg_dev_kernels.cpp"
+     CONTENT "// The kernel for the targets that link gradavg_dev_kernels (cmake/gradavg-dev-flags.cmake).\n#include <gradavg/kernels.hpp>\n")
+add_library(gradavg_dev_kernels STATIC EXCLUDE_FROM_ALL "${PROJECT_BINARY_DIR}/gradavg_dev_kernels.cpp")
+target_link_libraries(gradavg_dev_kernels PUBLIC gradavg::gradavg PRIVATE gradavg_dev_flags)
+target_compile_definitions(gradavg_dev_kernels PUBLIC GRADAVG_EXTERN_KERNELS)
 
 # What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
 # only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
