@@ -21,13 +21,16 @@
 #             four per step, exercise what one 64-byte packet per step hides): the seed corpus,
 #             the regression inputs, then 60 s of fuzzing (fuzz_smoke); longer runs:
 #             scripts/fuzz.sh
-# GRADAVG_STAGES="werror clang" runs only the stages named. Build trees go under
-# ${GRADAVG_BUILD_ROOT:-build}; GRADAVG_JOBS sets the build and test parallelism (default: nproc).
+# GRADAVG_STAGES="werror clang" runs only the stages named; stages joined by + run side by side
+# (tsan+fuzz, the default: the fuzz stage builds one unit and fuzzes in one process, leaving a
+# core to the other), each into a log under the build root that is printed when both are done.
+# Build trees go under ${GRADAVG_BUILD_ROOT:-build}; GRADAVG_JOBS sets the build and test
+# parallelism (default: nproc).
 set -Eeuo pipefail
 cd "$(dirname "$0")/.."
 root="${GRADAVG_BUILD_ROOT:-build}"
 jobs="${GRADAVG_JOBS:-$(nproc)}"
-stages="${GRADAVG_STAGES:-deps werror sanitize clang tsan arm fuzz}"
+stages="${GRADAVG_STAGES:-deps werror sanitize clang arm tsan+fuzz}"
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 
@@ -108,27 +111,61 @@ stage_fuzz() {
   run_ctest "$root/fuzz" -R "^fuzz_smoke"
 }
 
-# CPU seconds (user + system) used so far by this script's finished child processes.
+# cpu_seconds <pid>: CPU seconds (user + system) used so far by that shell's finished child
+# processes.
 cpu_seconds() {
-  awk -v hz="$(getconf CLK_TCK)" '{ printf "%d", ($16 + $17) / hz }' "/proc/$$/stat"
+  awk -v hz="$(getconf CLK_TCK)" '{ printf "%d", ($16 + $17) / hz }' "/proc/$1/stat"
 }
 
-timings=()
-stage=""
-trap 'echo "== stage $stage FAILED after $((SECONDS - start))s"' ERR
-for stage in $stages; do
-  if ! declare -F "stage_$stage" >/dev/null; then
-    echo "unknown stage '$stage' (deps werror sanitize clang tsan arm fuzz)" >&2
-    exit 2
-  fi
+mkdir -p "$root"
+timings_file="$root/stage-times.txt"
+: >"$timings_file"
+
+# run_stage <name>: runs it, prints its time and appends it to the summary.
+run_stage() {
+  stage="$1"
   echo "== stage $stage"
   start=$SECONDS
-  cpu_start=$(cpu_seconds)
+  local shell_pid=$BASHPID cpu_start elapsed cpu  # this stage's shell: a subshell when side by side
+  cpu_start=$(cpu_seconds "$shell_pid")
   "stage_$stage"
   elapsed=$((SECONDS - start))
-  cpu=$(($(cpu_seconds) - cpu_start))
-  timings+=("$(printf '%-9s %3dm%02ds   (%dm%02ds CPU)' "$stage" $((elapsed / 60)) $((elapsed % 60)) $((cpu / 60)) $((cpu % 60)))")
+  cpu=$(($(cpu_seconds "$shell_pid") - cpu_start))
+  printf '%-9s %3dm%02ds   (%dm%02ds CPU)\n' "$stage" $((elapsed / 60)) $((elapsed % 60)) $((cpu / 60)) $((cpu % 60)) \
+    >>"$timings_file"
   echo "== stage $stage passed in $((elapsed / 60))m$((elapsed % 60))s (CPU $((cpu / 60))m$((cpu % 60))s)"
+}
+
+stage=""
+trap 'echo "== stage $stage FAILED after $((SECONDS - start))s"' ERR
+for group in $stages; do
+  IFS=+ read -r -a members <<<"$group"
+  for member in "${members[@]}"; do
+    if ! declare -F "stage_$member" >/dev/null; then
+      echo "unknown stage '$member' (deps werror sanitize clang tsan arm fuzz)" >&2
+      exit 2
+    fi
+  done
+  if ((${#members[@]} == 1)); then
+    run_stage "${members[0]}"
+    continue
+  fi
+  echo "== stages ${members[*]}, side by side (logs: $root/stage-<name>.log)"
+  pids=()
+  for member in "${members[@]}"; do
+    (run_stage "$member") >"$root/stage-$member.log" 2>&1 &
+    pids+=($!)
+  done
+  failed=0
+  for i in "${!members[@]}"; do
+    wait "${pids[$i]}" || failed=1
+  done
+  for member in "${members[@]}"; do
+    cat "$root/stage-$member.log"
+  done
+  if ((failed)); then
+    exit 1
+  fi
 done
 echo "== all stages passed:"
-printf '   %s\n' "${timings[@]}"
+sed 's/^/   /' "$timings_file"
