@@ -160,7 +160,10 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("onednn", "not found at configure time");
 #endif
   std::string thread_list;
-  for (int n : threads) thread_list += (thread_list.empty() ? "" : ",") + std::to_string(n);
+  for (int n : threads) {
+    if (!thread_list.empty()) thread_list += ',';
+    thread_list += std::to_string(n);
+  }
   benchmark::AddCustomContext("threads", thread_list);
   benchmark::AddCustomContext("copy_nt_store", limits::streaming_store_name<float>());
   benchmark::AddCustomContext("bytes_credited",
