@@ -74,7 +74,9 @@ struct dataset {
   Eigen::VectorXi y;    // class of each sample, 0 to classes - 1
 };
 
-dataset make_dataset(int samples, const Eigen::VectorXf& u, const Eigen::VectorXf& v, random_source& rng) {
+using direction = Eigen::Matrix<float, features, 1>;  // fixed-size: see orthonormal_directions
+
+dataset make_dataset(int samples, const direction& u, const direction& v, random_source& rng) {
   dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXi(samples)};
   for (int j = 0; j < samples; ++j) {
     d.x.col(j) = normal_vector(features, rng);
@@ -268,9 +270,7 @@ const char* describe(overflow kind) {
 
 int train(const config& cfg) {
   random_source rng(20251130);
-  Eigen::VectorXf u = normal_vector(features, rng).normalized();
-  Eigen::VectorXf v = normal_vector(features, rng);
-  v = (v - v.dot(u) * u).normalized();
+  const auto [u, v] = orthonormal_directions<features>(rng);
   const dataset train_set = make_dataset(train_size, u, v, rng);
   const dataset test_set = make_dataset(test_size, u, v, rng);
 

@@ -29,8 +29,7 @@ struct dataset {
   Eigen::VectorXf y;  // labels, 0 or 1
 };
 
-/// A direction in feature space. Fixed-size: GCC 12 at -O3 warns (-Waggressive-loop-optimizations)
-/// inside Eigen's reduction when a dynamic-size vector's size is a known constant.
+/// A direction in feature space (fixed-size: see orthonormal_directions).
 using direction = Eigen::Matrix<float, features, 1>;
 
 inline dataset make_dataset(int samples, const direction& u, const direction& v, random_source& rng) {
@@ -123,9 +122,7 @@ struct problem {
 };
 
 inline problem make_problem(random_source& rng) {
-  const direction u = normal_vector(features, rng).normalized();
-  direction v = normal_vector(features, rng);
-  v = (v - v.dot(u) * u).normalized();
+  const auto [u, v] = orthonormal_directions<features>(rng);
   problem p{make_dataset(train_size, u, v, rng), make_dataset(test_size, u, v, rng), {}};
   p.model.w1 = Eigen::MatrixXf::NullaryExpr(hidden_units, features, [&] { return rng.normal(); });
   p.model.w1 /= std::sqrt(float{features});
