@@ -8,6 +8,8 @@
 // cores):
 //   fused/float/T:<T>/P:<P>/threads:<n>   T in {8, 16}. Contenders:
 //     copy, copy_nt           the copy limits over P floats (rounds.hpp, limits.hpp)
+//     read                    the T towers read side by side, no output (limits::read_fold),
+//                             credited as a mean: the mean's bandwidth if its write were free
 //     mean, mean_nt           plain gradavg, means only (nt: streaming stores)
 //     mean_sq, mean_sq_nt     plain gradavg, means and squares
 //     weights                 options.weights (uneven: the last tower weighs 20, the others 32)
@@ -21,6 +23,7 @@
 //                             same number of threads
 //   fused16/<bfloat16|half>/T:<T>/P:<P>/threads:<n>   T in {2, 4, 8, 16}. Contenders:
 //     copy, copy_nt           the copy limits over the same bytes (P 16-bit values as P/2 floats)
+//     read                    as for float, over the 16-bit towers
 //     mean, mean_nt, mean_sq, mean_sq_nt   gradavg with outputs in the gradients' type
 //     mean_f32                gradavg with float outputs (mixed precision), means only
 //     onednn_sum              oneDNN's sum on bf16 sources into bf16 (bfloat16 points, when
@@ -35,6 +38,9 @@
 //   <op>.best_nt            1 when <op>_nt's median is below <op>'s (op: mean, mean_sq)
 //   <op>.of.copy, <op>.of.copy_nt   median bandwidth(best of <op>, <op>_nt) / bandwidth(copy)
 //   mean_f32.of.copy_nt     likewise, for the float outputs
+//   read.of.copy_nt         median bandwidth(read) / bandwidth(copy_nt): the ceiling of
+//                           mean.of.copy_nt that reading the inputs alone sets
+//   mean.over.read          median t(best of mean, mean_nt) / t(read): what the write adds
 //   mean.vs.onednn_sum      median t(onednn_sum) / t(best of mean, mean_nt)
 //   onednn_bf16_sum         1 when oneDNN's bf16 sum ran in the point, 0 when oneDNN has none
 //                           (the label names oneDNN's implementation, or "unsupported")
@@ -266,6 +272,14 @@ const contender& report_best(benchmark::State& state, const comparison& cmp, con
   return best;
 }
 
+/// Reports read.of.copy_nt (the mean's bandwidth if its write were free, against the copy) and
+/// mean.over.read for the faster mean.
+void report_read(benchmark::State& state, const comparison& cmp, const contender& best_mean) {
+  const contender& read = *cmp.find("read");
+  state.counters["read.of.copy_nt"] = bandwidth_ratio(read, *cmp.find("copy_nt"));
+  state.counters["mean.over.read"] = time_ratio(best_mean, read);
+}
+
 // ---- Float points: each fused feature against the plain mean. ------------------------------
 
 void fused_float_point(benchmark::State& state, std::size_t tower_count, std::size_t elements, int threads) {
@@ -298,6 +312,7 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
         {"all_sq", true, false, true, true, true, true},
     };
     error = add_copies<float>(cmp, towers[0], elements, threads);
+    if (error.empty()) error = add_read<float>(cmp, tw, elements, threads, mean_bytes);
     for (const variant& v : variants) {
       if (!error.empty()) break;
       gradavg::options o;
@@ -330,7 +345,7 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
   }
   if (skip_on_error(state, error)) return;
   run_rounds(state, cmp);
-  report_best(state, cmp, "mean");
+  report_read(state, cmp, report_best(state, cmp, "mean"));
   report_best(state, cmp, "mean_sq");
   const contender& mean = *cmp.find("mean");
   const contender& mean_sq = *cmp.find("mean_sq");
@@ -355,11 +370,12 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
     float* bytes = cmp.hold<aligned_buffer<float>>(elements / 2).data();
     std::memcpy(static_cast<void*>(bytes), static_cast<const void*>(towers[0]), elements * sizeof(S));
     error = add_copies<float>(cmp, bytes, elements / 2, threads);
+    const double n = static_cast<double>(elements), t = static_cast<double>(tower_count);
+    if (error.empty()) error = add_read<S>(cmp, tw, elements, threads, (t + 1) * n * 2);
 
     S* mean = cmp.hold<aligned_buffer<S>>(elements).data();
     S* sq = cmp.hold<aligned_buffer<S>>(elements).data();
     float* mean_f32 = cmp.hold<aligned_buffer<float>>(elements).data();
-    const double n = static_cast<double>(elements), t = static_cast<double>(tower_count);
     gradavg::options nt;
     nt.streaming_stores = true;
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean", tw, elements, threads, mean, nullptr, {}, (t + 1) * n * 2);
@@ -393,6 +409,7 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
   if (skip_on_error(state, error)) return;
   run_rounds(state, cmp);
   const contender& best_mean = report_best(state, cmp, "mean");
+  report_read(state, cmp, best_mean);
   report_best(state, cmp, "mean_sq");
   state.counters["mean_f32.of.copy_nt"] = bandwidth_ratio(*cmp.find("mean_f32"), *cmp.find("copy_nt"));
   if constexpr (std::is_same_v<S, bf16>) {

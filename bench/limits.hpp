@@ -8,11 +8,16 @@
 //   memcpy    the C library's copy (glibc switches to non-temporal stores above a size it
 //             derives from the cache sizes)
 //   sum       read-only reduction, Eigen's vectorised redux
+//   read_fold read-only, several ranges side by side (one 64-byte line of each per step, as
+//             gradavg reads its towers), folded with xor: the time an average spends reading
+//             its inputs when writing its output costs nothing
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <type_traits>
 
 #include <Eigen/Core>
@@ -99,6 +104,52 @@ void memcpy(S* dst, const S* src, std::size_t n) {
 template <class S>
 S sum(const S* src, std::size_t n) {
   return Eigen::Map<const vec<S>>(src, static_cast<Eigen::Index>(n)).sum();
+}
+
+/// The xor of the 8-byte words at offsets [begin, end) of every range in `ranges` (begin a
+/// multiple of 8; a last partial word is zero-padded), read side by side: one 64-byte line of
+/// each range per step, with the widest integer vector the compiler enables. The xor keeps every
+/// load; the result does not depend on the vector width or the ranges' order, so that a scalar
+/// loop over the same words checks it.
+inline std::uint64_t read_fold(std::span<const std::byte* const> ranges, std::size_t begin, std::size_t end) {
+  std::uint64_t fold = 0;
+  std::size_t i = begin;
+#if defined(__AVX512F__)
+  __m512i acc = _mm512_setzero_si512();
+  for (; i + 64 <= end; i += 64)
+    for (const std::byte* r : ranges) acc = _mm512_xor_si512(acc, _mm512_loadu_si512(r + i));
+  alignas(64) std::uint64_t lanes[8];
+  _mm512_store_si512(lanes, acc);
+#elif defined(__AVX2__)
+  __m256i acc0 = _mm256_setzero_si256(), acc1 = _mm256_setzero_si256();
+  for (; i + 64 <= end; i += 64)
+    for (const std::byte* r : ranges) {
+      acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
+      acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i + 32)));
+    }
+  alignas(32) std::uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), _mm256_xor_si256(acc0, acc1));
+#elif defined(__SSE2__)
+  __m128i acc0 = _mm_setzero_si128(), acc1 = _mm_setzero_si128();
+  for (; i + 64 <= end; i += 64)
+    for (const std::byte* r : ranges)
+      for (std::size_t u = 0; u < 64; u += 32) {
+        acc0 = _mm_xor_si128(acc0, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i + u)));
+        acc1 = _mm_xor_si128(acc1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i + u + 16)));
+      }
+  alignas(16) std::uint64_t lanes[2];
+  _mm_store_si128(reinterpret_cast<__m128i*>(lanes), _mm_xor_si128(acc0, acc1));
+#else
+  std::uint64_t lanes[1] = {0};
+#endif
+  for (std::uint64_t lane : lanes) fold ^= lane;
+  for (; i < end; i += 8)
+    for (const std::byte* r : ranges) {
+      std::uint64_t word = 0;
+      std::memcpy(&word, r + i, std::min<std::size_t>(8, end - i));
+      fold ^= word;
+    }
+  return fold;
 }
 
 /// A copy limit by name: one of copy, copy_nt, memcpy.

@@ -10,8 +10,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -128,6 +131,36 @@ std::string add_copies(comparison& cmp, const S* src, std::size_t elements, int 
     if (std::string error = run_and_check_copy(*c.kernel, k.name, dst, src, elements); !error.empty()) return error;
     cmp.contenders.push_back(std::move(c));
   }
+  return {};
+}
+
+/// Adds `read`: the read limit (limits::read_fold) over towers[0, T), elements values of S each,
+/// on a chunk_pool, credited with `bytes` (a mean's: its bandwidth is then what the mean would
+/// reach if writing its output cost nothing). Checked against a scalar xor of the same words.
+template <class S>
+std::string add_read(comparison& cmp, std::span<const S* const> towers, std::size_t elements, int threads,
+                     double bytes) {
+  auto& pool = cmp.hold<chunk_pool>(threads);
+  auto& ranges = cmp.hold<std::vector<const std::byte*>>();
+  for (const S* t : towers) ranges.push_back(reinterpret_cast<const std::byte*>(t));
+  auto& partial = cmp.hold<std::vector<std::uint64_t>>(pool.threads());
+  auto r = make_fn_runner([&pool, &ranges, &partial, elements] {
+    pool.for_chunks(elements, [&](std::size_t c, std::size_t b, std::size_t e) {
+      partial[c] = limits::read_fold(ranges, b * sizeof(S), e * sizeof(S));
+    });
+  });
+  std::fill(partial.begin(), partial.end(), ~std::uint64_t{0});
+  r->run();
+  std::uint64_t got = 0, want = 0;
+  for (std::uint64_t p : partial) got ^= p;
+  for (const std::byte* t : ranges)
+    for (std::size_t i = 0; i < elements * sizeof(S); i += 8) {
+      std::uint64_t word = 0;
+      std::memcpy(&word, t + i, std::min<std::size_t>(8, elements * sizeof(S) - i));
+      want ^= word;
+    }
+  if (got != want) return "read mismatch";
+  cmp.contenders.emplace_back("read", std::move(r), bytes);
   return {};
 }
 
