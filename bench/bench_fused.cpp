@@ -40,7 +40,8 @@
 //   mean_f32.of.copy_nt     likewise, for the float outputs
 //   read.of.copy_nt         median bandwidth(read) / bandwidth(copy_nt): the ceiling of
 //                           mean.of.copy_nt that reading the inputs alone sets
-//   mean.over.read          median t(best of mean, mean_nt) / t(read): what the write adds
+//   mean.over.read          median t(best of mean, mean_nt) / t(read): what the write and the
+//                           arithmetic add to reading the inputs
 //   mean.vs.onednn_sum      median t(onednn_sum) / t(best of mean, mean_nt)
 //   onednn_bf16_sum         1 when oneDNN's bf16 sum ran in the point, 0 when oneDNN has none
 //                           (the label names oneDNN's implementation, or "unsupported")
