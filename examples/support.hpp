@@ -39,14 +39,18 @@ inline Eigen::VectorXf normal_vector(Eigen::Index n, random_source& rng) {
   return v;
 }
 
-// Two orthonormal directions in N-dimensional feature space, drawn from rng (Gram-Schmidt on two
-// normal vectors): the plane the training examples' labels depend on. Fixed-size: GCC 12 at -O3
-// warns (-Waggressive-loop-optimizations) inside Eigen's reduction over a dynamic-size vector whose
-// size is a known constant.
+// A direction in N-dimensional feature space. Fixed-size: GCC 12 at -O3 warns
+// (-Waggressive-loop-optimizations) inside Eigen's reduction over a dynamic-size vector whose size
+// is a known constant.
 template <int N>
-std::pair<Eigen::Matrix<float, N, 1>, Eigen::Matrix<float, N, 1>> orthonormal_directions(random_source& rng) {
-  const Eigen::Matrix<float, N, 1> u = normal_vector(N, rng).normalized();
-  Eigen::Matrix<float, N, 1> v = normal_vector(N, rng);
+using direction = Eigen::Matrix<float, N, 1>;
+
+// Two orthonormal directions, drawn from rng (Gram-Schmidt on two normal vectors): the plane the
+// training examples' labels depend on.
+template <int N>
+std::pair<direction<N>, direction<N>> orthonormal_directions(random_source& rng) {
+  const direction<N> u = normal_vector(N, rng).normalized();
+  direction<N> v = normal_vector(N, rng);
   v = (v - v.dot(u) * u).normalized();
   return {u, v};
 }

@@ -74,9 +74,7 @@ struct dataset {
   Eigen::VectorXi y;    // class of each sample, 0 to classes - 1
 };
 
-using direction = Eigen::Matrix<float, features, 1>;  // fixed-size: see orthonormal_directions
-
-dataset make_dataset(int samples, const direction& u, const direction& v, random_source& rng) {
+dataset make_dataset(int samples, const direction<features>& u, const direction<features>& v, random_source& rng) {
   dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXi(samples)};
   for (int j = 0; j < samples; ++j) {
     d.x.col(j) = normal_vector(features, rng);

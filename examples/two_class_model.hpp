@@ -29,10 +29,8 @@ struct dataset {
   Eigen::VectorXf y;  // labels, 0 or 1
 };
 
-/// A direction in feature space (fixed-size: see orthonormal_directions).
-using direction = Eigen::Matrix<float, features, 1>;
-
-inline dataset make_dataset(int samples, const direction& u, const direction& v, random_source& rng) {
+inline dataset make_dataset(int samples, const direction<features>& u, const direction<features>& v,
+                            random_source& rng) {
   const float radius_squared = 2.0f * std::numbers::ln2_v<float>;  // P(chi^2 with 2 dof < r^2) = 1/2
   dataset d{Eigen::MatrixXf(features, samples), Eigen::VectorXf(samples)};
   for (int j = 0; j < samples; ++j) {
