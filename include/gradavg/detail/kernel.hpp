@@ -250,8 +250,8 @@ struct group_pass {
         if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
       }
       if constexpr (LaneOrder) {
-        in::exchange_lane_order(a);
-        if constexpr (Squares) in::exchange_lane_order(s);
+        in::template reorder_lanes<false>(a);
+        if constexpr (Squares) in::template reorder_lanes<false>(s);
       }
     } else {
       P w{};
@@ -318,18 +318,18 @@ struct group_pass {
       }
       if constexpr (Fused && Squares)
         if (fused->statistics) st.add_statistics(m, q);
-      if constexpr (LaneOrder && !LaneOrderOut) in::exchange_lane_order(m);
+      if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(m);
       if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
       if constexpr (Squares) {
         if (!Fused || square != nullptr) {  // else the squares fed only the statistics
-          if constexpr (LaneOrder && !LaneOrderOut) in::exchange_lane_order(q);
+          if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(q);
           if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
         }
       }
     } else {
       if constexpr (LaneOrder) {  // the block in memory order: partial steps copy it by element
-        in::exchange_lane_order(a);
-        if constexpr (Squares) in::exchange_lane_order(s);
+        in::template reorder_lanes<true>(a);
+        if constexpr (Squares) in::template reorder_lanes<true>(s);
       }
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {

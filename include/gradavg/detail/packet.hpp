@@ -30,6 +30,12 @@
 #define GRADAVG_AVX2_PAIRS_ 1
 #endif
 
+// AVX-512 with BW (16-bit unpacks and packs on 512-bit registers): bfloat16 in lane order, a
+// pair of packets per 64-byte line.
+#if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
+#define GRADAVG_AVX512_LANE_ORDER_ 1
+#endif
+
 /// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
 /// registers out of memory).
 #if defined(__GNUC__) || defined(__clang__)
@@ -235,17 +241,23 @@ struct storage_ops {
 #endif
 
  public:
+  /// Whether a step of bfloat16 values can be kept in lane order (bfloat16 on AVX2, and on
+  /// AVX-512 with BW): each pair of packets u, u + 1 holds the pair's elements as one register's
+  /// 128-bit lanes widen them, words 0-3 of every 128-bit lane in packet u and words 4-7 in
+  /// packet u + 1 (AVX2: elements 0-3 and 8-11 in u, 4-7 and 12-15 in u + 1). One load and two
+  /// unpacks widen a pair, and one pack narrows it back into memory order, where element order
+  /// costs two widenings and a shift each, and a permute or a narrowing move per packet. The sums
+  /// are elementwise, so a pass whose loads and stores all use it computes the same values as in
+  /// memory order.
+#if defined(GRADAVG_AVX512_LANE_ORDER_)
+  static constexpr bool lane_order = width == 16 && std::is_same_v<S, Eigen::bfloat16>;
+#else
+  static constexpr bool lane_order = pairs_stores && std::is_same_v<S, Eigen::bfloat16>;
+#endif
+
   /// Bytes the widest store of store_step / stream_step writes: stream_step stores non-temporally
   /// where p is aligned to it.
-  static constexpr std::size_t step_store_bytes = pairs_stores ? 2 * stored_bytes : stored_bytes;
-
-  /// Whether a step of bfloat16 values can be kept in lane order (bfloat16 on AVX2): each pair of
-  /// packets u, u + 1 holds the pair's 16 elements as one 256-bit register's 128-bit lanes widen
-  /// them, elements 0-3 and 8-11 in packet u, 4-7 and 12-15 in packet u + 1. One load and two
-  /// unpacks widen a pair, and one pack narrows it back into memory order, where element order
-  /// costs two widenings and a shift each, and a permute. The sums are elementwise, so a pass
-  /// whose loads and stores all use it computes the same values as in memory order.
-  static constexpr bool lane_order = pairs_stores && std::is_same_v<S, Eigen::bfloat16>;
+  static constexpr std::size_t step_store_bytes = pairs_stores || lane_order ? 2 * stored_bytes : stored_bytes;
 
   /// Loads a step's packets x[u] from p + u * width: in memory order (load() of each), or in lane
   /// order where InLaneOrder (lane_order is then required, and U even).
@@ -261,8 +273,17 @@ struct storage_ops {
         x[u] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, both));
         x[u + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, both));
       }
+#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+      static_assert(lane_order && U % 2 == 0);
+      const __m512i zero = _mm512_setzero_si512();
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; u += 2) {
+        const __m512i both = _mm512_loadu_si512(p + u * width);
+        x[u] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, both));
+        x[u + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, both));
+      }
 #else
-      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2");
+      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2 or AVX-512 BW");
 #endif
     } else {
       GRADAVG_UNROLL_
@@ -270,11 +291,11 @@ struct storage_ops {
     }
   }
 
-  /// Packets of Acc in lane order to memory order, or back (the same exchange of each pair's
-  /// 128-bit halves, its own inverse): for sums kept in memory between passes, which partial
-  /// steps copy element by element.
-  template <std::size_t U>
-  GRADAVG_INLINE_ static void exchange_lane_order([[maybe_unused]] P (&x)[U]) noexcept {
+  /// Packets of Acc in lane order to memory order (ToMemory), or back: for outputs in Acc and for
+  /// sums kept in memory between passes, which partial steps copy element by element. AVX2: the
+  /// same exchange of each pair's 128-bit halves both ways (its own inverse).
+  template <bool ToMemory, std::size_t U>
+  GRADAVG_INLINE_ static void reorder_lanes([[maybe_unused]] P (&x)[U]) noexcept {
 #if defined(GRADAVG_AVX2_PAIRS_)
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
@@ -283,8 +304,27 @@ struct storage_ops {
       x[u + 1] = _mm256_permute2f128_ps(x[u], x[u + 1], 0x31);
       x[u] = low;
     }
+#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+    // 128-bit lanes l0-l3: packet u holds the first four elements of each of the pair's eight
+    // blocks of four, packet u + 1 the second; memory order interleaves them.
+    static_assert(lane_order && U % 2 == 0);
+    GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < U; u += 2) {
+      P first, second;
+      if constexpr (ToMemory) {
+        const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        const __m512i high = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+        first = _mm512_permutex2var_ps(x[u], low, x[u + 1]);
+        second = _mm512_permutex2var_ps(x[u], high, x[u + 1]);
+      } else {
+        first = _mm512_maskz_shuffle_f32x4(0xffff, x[u], x[u + 1], _MM_SHUFFLE(2, 0, 2, 0));
+        second = _mm512_maskz_shuffle_f32x4(0xffff, x[u], x[u + 1], _MM_SHUFFLE(3, 1, 3, 1));
+      }
+      x[u] = first;
+      x[u + 1] = second;
+    }
 #else
-    static_assert(U == 0, "gradavg: lane order needs bfloat16 on AVX2");
+    static_assert(U == 0, "gradavg: lane order needs bfloat16 on AVX2 or AVX-512 BW");
 #endif
   }
 
@@ -354,8 +394,25 @@ struct storage_ops {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), both);
         }
       }
+#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+      static_assert(lane_order && U % 2 == 0);
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; u += 2) {
+        // Per 128-bit lane: packet u's four words, then packet u + 1's: memory order.
+        const __m512i both = _mm512_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1]));
+        S* q = p + u * width;
+        const auto address = reinterpret_cast<std::uintptr_t>(q);
+        if (Stream && address % 64 == 0) {
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(q), both);
+        } else if (Stream && address % 32 == 0) {
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(q), _mm512_maskz_extracti64x4_epi64(0xf, both, 0));
+          _mm256_stream_si256(reinterpret_cast<__m256i*>(q + width), _mm512_maskz_extracti64x4_epi64(0xf, both, 1));
+        } else {
+          _mm512_storeu_si512(q, both);
+        }
+      }
 #else
-      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2");
+      static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2 or AVX-512 BW");
 #endif
     } else {
 #if defined(GRADAVG_AVX2_PAIRS_)
