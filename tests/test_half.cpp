@@ -294,6 +294,54 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
   CHECK(unscaled_big.summary.nonfinite_variables == 0);
 }
 
+TEST_CASE("bfloat16 means in float's subnormal range round to nearest even, not to zero") {
+  // bfloat16 has float's exponent range, so a float mean below 2^-126 still has bfloat16 values
+  // (down to 2^-133); a conversion that flushes subnormal floats to zero would lose them. T = 1,
+  // 2, 4: every float sum and quotient is exact here, so the only rounding is to bfloat16. Four
+  // of every five elements are subnormal multiples of 2^-133 (halfway cases among their means),
+  // the fifth normal, so that packets mix the two.
+  for (std::size_t towers : {1u, 2u, 4u}) {
+    for (bool streaming : {false, true}) {
+      INFO("T = " << towers << ", streaming stores " << streaming);
+      fused_towers<bf16> w(towers, {1000, 61});
+      std::vector<std::vector<double>> sums(2);
+      for (std::size_t v = 0; v < 2; ++v) {
+        sums[v].assign(w.sizes[v], 0.0);
+        for (std::size_t k = 0; k < towers; ++k) {
+          for (std::size_t j = 0; j < w.sizes[v]; ++j) {
+            const double sign = (j + k) % 3 == 0 ? -1.0 : 1.0;
+            const double x = j % 5 == 4 ? sign * static_cast<double>(j % 7 + 1) / 4
+                                        : sign * std::ldexp(static_cast<double>(1 + (7 * j + 3 * k) % 127), -133);
+            w.data[k][v][j] = bf16(static_cast<float>(x));
+            REQUIRE(as_double(w.data[k][v][j]) == x);
+            sums[v][j] += x;
+          }
+        }
+      }
+      gradavg::options opts;
+      opts.streaming_stores = streaming;
+      const auto to_bf16 = run_into<bf16>(w, opts, false);
+      const auto to_float = run_into<float>(w, opts, false);
+      std::size_t wrong = 0, subnormal_results = 0;
+      for (std::size_t v = 0; v < 2; ++v) {
+        for (std::size_t j = 0; j < w.sizes[v]; ++j) {
+          const double mean = sums[v][j] / static_cast<double>(towers);
+          const double want = round_to<bf16>(mean);
+          if (want != 0 && std::fabs(want) < std::numeric_limits<float>::min()) ++subnormal_results;
+          if (as_double(to_bf16.means[v][j]) != want || as_double(to_float.means[v][j]) != mean) {
+            if (wrong++ < 5) {
+              UNSCOPED_INFO("variable " << v << ", element " << j << ": mean " << mean << ", want " << want << ", got "
+                                        << as_double(to_bf16.means[v][j]) << " and " << to_float.means[v][j]);
+            }
+          }
+        }
+      }
+      CHECK(subnormal_results > 500);
+      CHECK(wrong == 0);
+    }
+  }
+}
+
 TEST_CASE("16-bit gradients are summed in float: a scale or weight beyond float's range is an error") {
   const fused_towers<bf16> w(2, {9});
   auto r = run_into<bf16>(w, {});

@@ -399,7 +399,7 @@ struct storage_ops {
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; u += 2) {
         // Per 128-bit lane: packet u's four words, then packet u + 1's: memory order.
-        const __m512i both = _mm512_packus_epi32(bfloat16_bits(v[u]), bfloat16_bits(v[u + 1]));
+        const __m512i both = bfloat16_pair_bits(v[u], v[u + 1]);
         S* q = p + u * width;
         const auto address = reinterpret_cast<std::uintptr_t>(q);
         if (Stream && address % 64 == 0) {
@@ -457,6 +457,22 @@ struct storage_ops {
     const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
   }
+#if defined(GRADAVG_AVX512_LANE_ORDER_)
+  /// A pair of packets in lane order as its 32 bfloat16 values in memory order, each rounded to
+  /// nearest even; NaN -> 0x7fc0 where it is the default quiet NaN.
+  static __m512i bfloat16_pair_bits(const __m512& first, const __m512& second) noexcept {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+    // The bfloat16 conversion rounds to nearest even but flushes subnormal floats to zero: it
+    // serves pairs without one (fpclass 0x20: subnormal).
+    if ((_mm512_fpclass_ps_mask(first, 0x20) | _mm512_fpclass_ps_mask(second, 0x20)) == 0) {
+      // first's sixteen words, then second's: 64-bit blocks 0-3 and 4-7, interleaved into memory order.
+      const auto blocks = (__m512i)_mm512_cvtne2ps_pbh(second, first);
+      return _mm512_maskz_permutexvar_epi64(0xff, _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), blocks);
+    }
+#endif
+    return _mm512_packus_epi32(bfloat16_bits(first), bfloat16_bits(second));
+  }
+#endif
 #elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
   static __m128i bfloat16_bits(const __m128& v) noexcept {
     const __m128i u = _mm_castps_si128(v);
