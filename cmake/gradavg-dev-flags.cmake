@@ -60,12 +60,13 @@ target_compile_definitions(gradavg_dev_kernels PUBLIC GRADAVG_EXTERN_KERNELS)
 
 # What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
 # only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
-# x86-64-v4 feature; _gradavg_native_v3, AVX2, FMA and F16C without AVX-512: the same kernel and
+# x86-64-v4 feature; _gradavg_native_bf16, those and AVX-512 BF16; _gradavg_native_v3, AVX2, FMA and F16C without AVX-512: the same kernel and
 # Eigen packet paths as -march=x86-64-v3 (gradavg and Eigen choose their paths by __AVX2__,
 # __FMA__, __F16C__ and the __AVX512*__ macros). The tests' instruction-set matrix skips its
 # repeat of the level that the native build already is.
 set(_gradavg_native_avx512 OFF)
 set(_gradavg_native_v4 OFF)
+set(_gradavg_native_bf16 OFF)
 set(_gradavg_native_v3 OFF)
 if(GRADAVG_NATIVE)
   include(CheckCXXSourceCompiles)
@@ -80,6 +81,12 @@ if(GRADAVG_NATIVE)
     "#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && defined(__AVX512VL__))\n#error not x86-64-v4\n#endif\nint main() { return 0; }"
     GRADAVG_NATIVE_HAS_X86_64_V4)
   set(_gradavg_native_v4 ${GRADAVG_NATIVE_HAS_X86_64_V4})
+  check_cxx_source_compiles("#ifndef __AVX512BF16__\n#error no AVX-512 BF16\n#endif\nint main() { return 0; }"
+                            GRADAVG_NATIVE_HAS_AVX512BF16)
+  set(_gradavg_native_bf16 OFF)
+  if(_gradavg_native_v4 AND GRADAVG_NATIVE_HAS_AVX512BF16)
+    set(_gradavg_native_bf16 ON)
+  endif()
   check_cxx_source_compiles(
     "#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__AVX512F__)\n#error not x86-64-v3 paths\n#endif\nint main() { return 0; }"
     GRADAVG_NATIVE_IS_X86_64_V3_PATHS)

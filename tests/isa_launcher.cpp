@@ -5,7 +5,8 @@
 //
 //   gradavg_isa_launcher LEVEL PROGRAM [ARGS...]
 //
-// LEVEL: x86-64 (SSE2), x86-64-v2, x86-64-v3 (AVX2, FMA), x86-64-v4 (AVX-512).
+// LEVEL: x86-64 (SSE2), x86-64-v2, x86-64-v3 (AVX2, FMA), x86-64-v4 (AVX-512), x86-64-v4-bf16
+// (x86-64-v4 and AVX-512 BF16: built with -march=x86-64-v4 -mavx512bf16).
 // GRADAVG_ISA_MISSING (comma-separated feature names, e.g. "avx512f") makes the launcher treat
 // those features as absent, so that the skip can be tested on any machine.
 // Exit status: PROGRAM's, skip_exit_code when skipped, 2 for a usage error, 127 when PROGRAM
@@ -52,6 +53,7 @@ const std::vector<feature> v3 = {
 const std::vector<feature> v4 = {GRADAVG_FEATURE("avx512f"), GRADAVG_FEATURE("avx512bw"),
                                  GRADAVG_FEATURE("avx512cd"), GRADAVG_FEATURE("avx512dq"),
                                  GRADAVG_FEATURE("avx512vl")};
+const std::vector<feature> v4_bf16 = {GRADAVG_FEATURE("avx512bf16")};
 
 #undef GRADAVG_FEATURE
 
@@ -66,6 +68,8 @@ std::vector<feature> features_of(std::string_view level) {
     parts = {&baseline, &v2, &v3};
   } else if (level == "x86-64-v4") {
     parts = {&baseline, &v2, &v3, &v4};
+  } else if (level == "x86-64-v4-bf16") {
+    parts = {&baseline, &v2, &v3, &v4, &v4_bf16};
   }
   std::vector<feature> all;
   for (const auto* part : parts) all.insert(all.end(), part->begin(), part->end());
@@ -96,7 +100,7 @@ int main(int argc, char* argv[]) {
   const std::string_view level = argv[1];
   const auto features = features_of(level);
   if (features.empty()) {
-    std::fprintf(stderr, "%s: unknown instruction-set level '%s' (x86-64, x86-64-v2, x86-64-v3, x86-64-v4)\n",
+    std::fprintf(stderr, "%s: unknown instruction-set level '%s' (x86-64, x86-64-v2, x86-64-v3, x86-64-v4, x86-64-v4-bf16)\n",
                  argv[0], argv[1]);
     return 2;
   }

@@ -18,7 +18,7 @@ endfunction()
 
 set(program ${CMAKE_COMMAND} -E echo program-started)
 
-foreach(level x86-64-v3 x86-64-v4)
+foreach(level x86-64-v3 x86-64-v4 x86-64-v4-bf16)
   run_launcher(rc text ${CMAKE_COMMAND} -E env GRADAVG_ISA_MISSING=sse4.1,avx2 ${LAUNCHER} ${level} ${program})
   expect("${level} without avx2" "${rc}" "${text}" 77)
   if(text MATCHES "program-started" OR NOT text MATCHES "lacks .*avx2")
