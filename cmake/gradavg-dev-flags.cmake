@@ -60,10 +60,10 @@ target_compile_definitions(gradavg_dev_kernels PUBLIC GRADAVG_EXTERN_KERNELS)
 
 # What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
 # only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
-# x86-64-v4 feature; _gradavg_native_bf16, those and AVX-512 BF16; _gradavg_native_v3, AVX2, FMA and F16C without AVX-512: the same kernel and
-# Eigen packet paths as -march=x86-64-v3 (gradavg and Eigen choose their paths by __AVX2__,
-# __FMA__, __F16C__ and the __AVX512*__ macros). The tests' instruction-set matrix skips its
-# repeat of the level that the native build already is.
+# x86-64-v4 feature; _gradavg_native_bf16, those and AVX-512 BF16; _gradavg_native_v3, AVX2, FMA
+# and F16C without AVX-512: the same kernel and Eigen packet paths as -march=x86-64-v3 (gradavg
+# and Eigen choose their paths by __AVX2__, __FMA__, __F16C__ and the __AVX512*__ macros). The
+# tests' instruction-set matrix skips its repeat of the level that the native build already is.
 set(_gradavg_native_avx512 OFF)
 set(_gradavg_native_v4 OFF)
 set(_gradavg_native_bf16 OFF)

@@ -245,10 +245,10 @@ struct storage_ops {
   /// AVX-512 with BW): each pair of packets u, u + 1 holds the pair's elements as one register's
   /// 128-bit lanes widen them, words 0-3 of every 128-bit lane in packet u and words 4-7 in
   /// packet u + 1 (AVX2: elements 0-3 and 8-11 in u, 4-7 and 12-15 in u + 1). One load and two
-  /// unpacks widen a pair, and one pack narrows it back into memory order, where element order
-  /// costs two widenings and a shift each, and a permute or a narrowing move per packet. The sums
-  /// are elementwise, so a pass whose loads and stores all use it computes the same values as in
-  /// memory order.
+  /// unpacks widen a pair, and one pack (with AVX-512 BF16: one conversion and one permute)
+  /// narrows it back into memory order, where element order costs two widenings and a shift
+  /// each, and a permute or a narrowing move per packet. The sums are elementwise, so a pass
+  /// whose loads and stores all use it computes the same values as in memory order.
 #if defined(GRADAVG_AVX512_LANE_ORDER_)
   static constexpr bool lane_order = width == 16 && std::is_same_v<S, Eigen::bfloat16>;
 #else
@@ -398,8 +398,7 @@ struct storage_ops {
       static_assert(lane_order && U % 2 == 0);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; u += 2) {
-        // Per 128-bit lane: packet u's four words, then packet u + 1's: memory order.
-        const __m512i both = bfloat16_pair_bits(v[u], v[u + 1]);
+        const __m512i both = bfloat16_pair_bits(v[u], v[u + 1]);  // 64 bytes in memory order
         S* q = p + u * width;
         const auto address = reinterpret_cast<std::uintptr_t>(q);
         if (Stream && address % 64 == 0) {
