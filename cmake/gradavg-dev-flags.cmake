@@ -83,7 +83,6 @@ if(GRADAVG_NATIVE)
   set(_gradavg_native_v4 ${GRADAVG_NATIVE_HAS_X86_64_V4})
   check_cxx_source_compiles("#ifndef __AVX512BF16__\n#error no AVX-512 BF16\n#endif\nint main() { return 0; }"
                             GRADAVG_NATIVE_HAS_AVX512BF16)
-  set(_gradavg_native_bf16 OFF)
   if(_gradavg_native_v4 AND GRADAVG_NATIVE_HAS_AVX512BF16)
     set(_gradavg_native_bf16 ON)
   endif()

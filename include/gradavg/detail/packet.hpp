@@ -305,8 +305,8 @@ struct storage_ops {
       x[u] = low;
     }
 #elif defined(GRADAVG_AVX512_LANE_ORDER_)
-    // 128-bit lanes l0-l3: packet u holds the first four elements of each of the pair's eight
-    // blocks of four, packet u + 1 the second; memory order interleaves them.
+    // The pair's 32 elements in four blocks of eight, one per 128-bit lane: packet u holds the
+    // first four of each block, packet u + 1 the last four; memory order interleaves them.
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; u += 2) {
