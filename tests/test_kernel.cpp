@@ -160,6 +160,61 @@ TEMPLATE_TEST_CASE("an element rounds alike in a tail and inside whole steps", "
   }
 }
 
+// Calls that move prefetch_min_bytes or more run whole steps that prefetch the towers' data
+// ahead (detail/kernel.hpp); smaller ones do not. Both must give every element's bits: a large
+// call is checked against the scalar sum in tower order, and against the same elements averaged
+// as buckets too small to prefetch (options.range).
+TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and those of small calls", "", float,
+                   double, Eigen::half, Eigen::bfloat16) {
+  using S = TestType;
+  using Acc = std::conditional_t<std::is_same_v<S, double>, double, float>;
+  const std::size_t tower_count = GENERATE(4, 17);
+  const bool streaming = GENERATE(false, true);
+  const bool fused = GENERATE(false, true);
+  const std::size_t bytes_per_element = (tower_count + 2) * sizeof(S);
+  const std::size_t n = gradavg::detail::prefetch_min_bytes / bytes_per_element + 1001;  // whole steps and a tail
+  constexpr std::size_t bucket = 4096;
+  REQUIRE(bucket * bytes_per_element < gradavg::detail::prefetch_min_bytes);
+  INFO("towers " << tower_count << ", n " << n << ", streaming " << streaming << ", fused " << fused);
+
+  std::vector<std::vector<S>> data;
+  std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+  for (std::size_t k = 0; k < tower_count; ++k) {
+    data.push_back(gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(900 + k)));
+    tg[k].push_back({std::span<const S>(data[k]), 0});
+  }
+  gradavg::options opts{.streaming_stores = streaming};
+  if (fused) {
+    opts.statistics = true;
+    opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  }
+  std::vector<S> mean(n), square(n);
+  {
+    std::vector<std::span<S>> m{std::span<S>(mean)}, q{std::span<S>(square)};
+    const gradavg::summary r = gradavg::average_gradients_into(tg, m, q, opts);
+    CHECK_FALSE(r.nonfinite());
+  }
+
+  std::size_t wrong = 0;
+  for (std::size_t j = 0; j < n; ++j) {
+    Acc sum = 0;
+    for (std::size_t k = 0; k < tower_count; ++k) sum += static_cast<Acc>(data[k][j]);
+    const S want = static_cast<S>(sum / static_cast<Acc>(tower_count));
+    wrong += gradavg_test::same_bits(&mean[j], &want, 1) ? 0 : 1;
+  }
+  CHECK(wrong == 0);
+
+  std::vector<S> bucket_mean(n), bucket_square(n);
+  for (std::size_t begin = 0; begin < n; begin += bucket) {
+    std::vector<std::span<S>> m{std::span<S>(bucket_mean)}, q{std::span<S>(bucket_square)};
+    gradavg::options part = opts;
+    part.range = {begin, begin + bucket};
+    gradavg::average_gradients_into(tg, m, q, part);
+  }
+  CHECK(gradavg_test::same_bits(mean.data(), bucket_mean.data(), n));
+  CHECK(gradavg_test::same_bits(square.data(), bucket_square.data(), n));
+}
+
 // The kernel multiplies by 1/d instead of dividing by d when d is a power of two whose reciprocal
 // is normal. That is exact only if it gives the quotient's bits for every input: checked against
 // the scalar sum in tower order followed by a true division, on values whose quotients are

@@ -194,6 +194,7 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
   // Every element of the flat range reads one value per tower and writes a mean (and a square).
   const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
   const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
+  const bool prefetch = n * bytes_per_element >= prefetch_min_bytes;  // from memory, not a cache
   segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
   struct variable_towers {
     const pass_source<S, O>* source;
@@ -249,10 +250,10 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
           // Nothing to read back (loading the callee's fresh stores of an empty result stalled
           // every call of a small variable).
           reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores,
-                               divisor, nullptr);
+                               prefetch, divisor, nullptr);
         } else {
           piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
-                                                    opts.streaming_stores, divisor, fused_ptr);
+                                                    opts.streaming_stores, prefetch, divisor, fused_ptr);
           const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
           const bool ends_here = offset + size <= seg_end || seg_end == range_end;
           if (!starts_here) {

@@ -636,6 +636,7 @@ struct call {
       Buf* sums = buffer;
       Buf* sq = squares_in_buffer ? buffer + elements : nullptr;
       Buf* flags = buffer + elements * (squares_in_buffer ? 2 : 1);
+      const bool prefetch = elements * (towers * sizeof(S) + per_element) >= gradavg::detail::prefetch_min_bytes;
       std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
       for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
         const std::size_t size = size_of(i);
@@ -654,7 +655,8 @@ struct call {
           const piece_towers from{tp, p};
           const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
           const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
-              tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, Buf(1), fused ? &params : nullptr);
+              tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, prefetch, Buf(1),
+              fused ? &params : nullptr);
           nonfinite = nonfinite || (fused && piece.nonfinite);
           if (with_progress) progress();
         }
