@@ -392,7 +392,8 @@ struct group_pass {
       if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
     }
     alignas(64) O m_buf[E], q_buf[E];
-    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal, weights, fused, state, false};
+    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal,
+                            weights, fused, state, false};
     padded.template step<false, Unit, false>(0, st);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
@@ -571,6 +572,18 @@ piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t to
     return {};
 }
 
+/// reduce_range_impl with the store kind chosen at run time.
+template <class S, class Acc, class O, bool Fused, bool WithSquare>
+piece_result reduce_range_stores(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin,
+                                 std::size_t end, O* mean, O* square, bool streaming, bool prefetch, Acc divisor,
+                                 const fused_params<Acc>* fused) {
+  if (streaming)
+    return reduce_range_impl<S, Acc, O, Fused, WithSquare, true>(tower_data, tower_count, begin, end, mean, square,
+                                                                 divisor, fused, prefetch);
+  return reduce_range_impl<S, Acc, O, Fused, WithSquare, false>(tower_data, tower_count, begin, end, mean, square,
+                                                                divisor, fused, prefetch);
+}
+
 /// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc.
 /// tower_data(k) returns tower k's first element (of the whole variable, not of the range).
 /// divisor: T, or the weight sum. fused: null for the plain pass. streaming: write the outputs
@@ -583,23 +596,17 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
   if (fused != nullptr) {
-    if (square != nullptr || fused->statistics) {
-      if (streaming)
-        return reduce_range_impl<S, Acc, O, true, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-      return reduce_range_impl<S, Acc, O, true, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-    }
-    if (streaming)
-      return reduce_range_impl<S, Acc, O, true, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-    return reduce_range_impl<S, Acc, O, true, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
+    if (square != nullptr || fused->statistics)
+      return reduce_range_stores<S, Acc, O, true, true>(tower_data, tower_count, begin, end, mean, square, streaming,
+                                                        prefetch, divisor, fused);
+    return reduce_range_stores<S, Acc, O, true, false>(tower_data, tower_count, begin, end, mean, square, streaming,
+                                                       prefetch, divisor, fused);
   }
-  if (square != nullptr) {
-    if (streaming)
-      return reduce_range_impl<S, Acc, O, false, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-    return reduce_range_impl<S, Acc, O, false, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-  }
-  if (streaming)
-    return reduce_range_impl<S, Acc, O, false, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
-  return reduce_range_impl<S, Acc, O, false, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused, prefetch);
+  if (square != nullptr)
+    return reduce_range_stores<S, Acc, O, false, true>(tower_data, tower_count, begin, end, mean, square, streaming,
+                                                       prefetch, divisor, fused);
+  return reduce_range_stores<S, Acc, O, false, false>(tower_data, tower_count, begin, end, mean, square, streaming,
+                                                      prefetch, divisor, fused);
 }
 
 /// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
