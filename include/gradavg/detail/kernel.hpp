@@ -100,7 +100,7 @@ constexpr std::size_t split_granularity() noexcept {
 
 /// Software prefetch: in a large call each whole step asks for every tower's data this many bytes
 /// ahead of the line it loads. With the hardware's prefetchers alone, the 16-bit and fused passes
-/// took up to 1.5x the time of reading their inputs at DRAM size (bench/README).
+/// took up to 1.6x the time of reading their inputs at DRAM size (bench/README).
 inline constexpr std::size_t prefetch_distance = 1024;
 
 /// Calls that move fewer bytes than this (inputs and outputs) do not prefetch: their data may sit
