@@ -171,10 +171,11 @@ TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and
   const std::size_t tower_count = GENERATE(4, 17);
   const bool streaming = GENERATE(false, true);
   const bool fused = GENERATE(false, true);
-  const std::size_t bytes_per_element = (tower_count + 2) * sizeof(S);
+  const std::size_t bytes_per_element = (tower_count + 2) * sizeof(S);  // towers, mean, square
   const std::size_t n = gradavg::detail::prefetch_min_bytes / bytes_per_element + 1001;  // whole steps and a tail
   constexpr std::size_t bucket = 4096;
-  REQUIRE(bucket * bytes_per_element < gradavg::detail::prefetch_min_bytes);
+  REQUIRE(gradavg::detail::prefetch_pays(n, bytes_per_element));
+  REQUIRE_FALSE(gradavg::detail::prefetch_pays(bucket, bytes_per_element));
   INFO("towers " << tower_count << ", n " << n << ", streaming " << streaming << ", fused " << fused);
 
   std::vector<std::vector<S>> data;

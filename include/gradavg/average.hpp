@@ -194,7 +194,7 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
   // Every element of the flat range reads one value per tower and writes a mean (and a square).
   const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
   const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
-  const bool prefetch = n * bytes_per_element >= prefetch_min_bytes;  // from memory, not a cache
+  const bool prefetch = prefetch_pays(n, bytes_per_element);
   segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
   struct variable_towers {
     const pass_source<S, O>* source;

@@ -636,7 +636,7 @@ struct call {
       Buf* sums = buffer;
       Buf* sq = squares_in_buffer ? buffer + elements : nullptr;
       Buf* flags = buffer + elements * (squares_in_buffer ? 2 : 1);
-      const bool prefetch = elements * (towers * sizeof(S) + per_element) >= gradavg::detail::prefetch_min_bytes;
+      const bool prefetch = gradavg::detail::prefetch_pays(elements, towers * sizeof(S) + per_element);
       std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
       for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
         const std::size_t size = size_of(i);

@@ -107,21 +107,26 @@ inline constexpr std::size_t prefetch_distance = 1024;
 /// in a cache, where prefetching ahead cost up to a fifth of the time (bench/README).
 inline constexpr std::size_t prefetch_min_bytes = std::size_t{4} << 20;
 
+/// Whether a call over `elements` elements, each moving `bytes_per_element` bytes (every tower's
+/// value and every output's), prefetches: its data come from memory, not a cache.
+constexpr bool prefetch_pays(std::size_t elements, std::size_t bytes_per_element) noexcept {
+  return elements * bytes_per_element >= prefetch_min_bytes;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
 /// Whether steps prefetch at all: on x86-64, where it was measured; elsewhere the hardware's
 /// prefetchers alone.
-#if defined(__GNUC__) && defined(__x86_64__)
 inline constexpr bool software_prefetch = true;
-#else
-inline constexpr bool software_prefetch = false;
-#endif
 
 /// Asks for the cache line prefetch_distance bytes past p, for reading soon. Any p: a prefetch
 /// never faults and never changes a result.
-GRADAVG_INLINE_ void prefetch_ahead([[maybe_unused]] const void* p) noexcept {
-#if defined(__GNUC__) && defined(__x86_64__)
+GRADAVG_INLINE_ void prefetch_ahead(const void* p) noexcept {
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<std::uintptr_t>(p) + prefetch_distance), 0, 3);
-#endif
 }
+#else
+inline constexpr bool software_prefetch = false;
+GRADAVG_INLINE_ void prefetch_ahead(const void*) noexcept {}
+#endif
 
 /// Run-time values of the fused features, in the accumulator type.
 template <class Acc>
