@@ -43,6 +43,8 @@
 //   mean.over.read          median t(best of mean, mean_nt) / t(read): what the write and the
 //                           arithmetic add to reading the inputs
 //   mean.vs.onednn_sum      median t(onednn_sum) / t(best of mean, mean_nt)
+//   read.vs.onednn_sum      median t(onednn_sum) / t(read): the most any pass that reads its
+//                           inputs could gain on oneDNN, writing nothing
 //   onednn_bf16_sum         1 when oneDNN's bf16 sum ran in the point, 0 when oneDNN has none
 //                           (the label names oneDNN's implementation, or "unsupported")
 // Flags (before Google Benchmark's own): --fused_rounds=N (default 11), --fused_elements=N
@@ -415,7 +417,10 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
   state.counters["mean_f32.of.copy_nt"] = bandwidth_ratio(*cmp.find("mean_f32"), *cmp.find("copy_nt"));
   if constexpr (std::is_same_v<S, bf16>) {
     state.counters["onednn_bf16_sum"] = onednn_ran ? 1 : 0;
-    if (const contender* c = cmp.find("onednn_sum")) state.counters["mean.vs.onednn_sum"] = time_ratio(*c, best_mean);
+    if (const contender* c = cmp.find("onednn_sum")) {
+      state.counters["mean.vs.onednn_sum"] = time_ratio(*c, best_mean);
+      state.counters["read.vs.onednn_sum"] = time_ratio(*c, *cmp.find("read"));
+    }
   }
 }
 
