@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "fused_reference.hpp"
 #include "reference.hpp"
 #include "support.hpp"
 
@@ -162,8 +163,9 @@ TEMPLATE_TEST_CASE("an element rounds alike in a tail and inside whole steps", "
 
 // Calls that move prefetch_min_bytes or more run whole steps that prefetch the towers' data
 // ahead (detail/kernel.hpp); smaller ones do not. Both must give every element's bits: a large
-// call is checked against the scalar sum in tower order, and against the same elements averaged
-// as buckets too small to prefetch (options.range).
+// call's means are checked against the scalar sum in tower order, its squares (and statistics)
+// against the long-double reference, and all against the same elements averaged as buckets too
+// small to prefetch (options.range).
 TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and those of small calls", "", float,
                    double, Eigen::half, Eigen::bfloat16) {
   using S = TestType;
@@ -190,10 +192,23 @@ TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and
     opts.on_nonfinite = gradavg::nonfinite_policy::report;
   }
   std::vector<S> mean(n), square(n);
+  gradavg::summary r;
   {
     std::vector<std::span<S>> m{std::span<S>(mean)}, q{std::span<S>(square)};
-    const gradavg::summary r = gradavg::average_gradients_into(tg, m, q, opts);
+    r = gradavg::average_gradients_into(tg, m, q, opts);
     CHECK_FALSE(r.nonfinite());
+  }
+
+  // The squares (and, fused, the statistics) against the long-double reference of the inputs.
+  std::vector<const S*> tower_ptrs;
+  for (const auto& d : data) tower_ptrs.push_back(d.data());
+  const auto want = gradavg_test::expect_fused<S>(tower_ptrs, 0, n, {}, 1.0);
+  const double tol = gradavg_test::fused_tolerance<Acc>(tower_count);
+  CHECK(gradavg_test::first_fused_mismatch(square.data(), want, true, tol) == n);
+  if (fused) {
+    const auto bound = gradavg_test::statistics_error(want, tol);
+    CHECK(std::abs(r.sum_mean_squared - want.sum_mean_squared) <= bound.mean_squared);
+    CHECK(std::abs(r.sum_mean_of_squares - want.sum_mean_of_squares) <= bound.mean_of_squares);
   }
 
   std::size_t wrong = 0;
