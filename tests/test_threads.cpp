@@ -379,6 +379,25 @@ TEST_CASE("an executor that fails, or returns before running every task, is repo
   } lazy;
   CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &lazy}); }),
                                "without running every task"));
+
+  // The same number of calls as a correct executor makes: task 0 twice, the last one never.
+  struct repeating_executor final : gradavg::executor {
+    std::size_t concurrency() const noexcept override { return 4; }
+    void parallel_for(std::size_t n, gradavg::task_ref task) override {
+      task(0);
+      for (std::size_t i = 0; i + 1 < n; ++i) task(i);
+    }
+  } repeating;
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &repeating}); }),
+                               "more than once"));
+  struct straying_executor final : gradavg::executor {
+    std::size_t concurrency() const noexcept override { return 4; }
+    void parallel_for(std::size_t n, gradavg::task_ref task) override {
+      for (std::size_t i = 1; i <= n; ++i) task(i);  // one past the end, never task 0
+    }
+  } straying;
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &straying}); }),
+                               "out of range"));
 }
 
 TEST_CASE("chunks run in the caller's floating-point environment, whichever thread runs them") {

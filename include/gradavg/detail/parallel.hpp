@@ -3,8 +3,10 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <new>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -22,6 +24,9 @@ namespace detail {
 /// about that long even at cache bandwidth, so smaller work stays on fewer threads.
 inline constexpr std::size_t min_chunk_bytes = std::size_t{1} << 20;
 
+/// Most chunks one call splits into, whatever the thread count (run_chunks tracks each).
+inline constexpr std::size_t max_chunks = 256;
+
 /// The thread count that options ask for (see options::threads).
 inline std::size_t requested_threads(const options& opts) noexcept {
   if (opts.threads != default_threads && opts.threads != 0) return opts.threads;
@@ -30,37 +35,78 @@ inline std::size_t requested_threads(const options& opts) noexcept {
 }
 
 /// How many chunks a call over total elements, each moving bytes_per_element, splits into: at
-/// most the thread count that options ask for, and no chunk under min_chunk_bytes.
+/// most the thread count that options ask for and max_chunks, and no chunk under min_chunk_bytes.
 inline std::size_t chunk_count(std::size_t total, std::size_t bytes_per_element, const options& opts) noexcept {
   const std::size_t elements_per_chunk =
       std::max<std::size_t>(1, min_chunk_bytes / std::max<std::size_t>(1, bytes_per_element));
   const std::size_t worth = std::max<std::size_t>(1, total / elements_per_chunk);
-  return std::max<std::size_t>(1, std::min(requested_threads(opts), worth));
+  return std::max<std::size_t>(1, std::min({requested_threads(opts), worth, max_chunks}));
 }
 
-/// Calls chunk(c) once for each c in [0, chunks), concurrently where options allow, and returns
-/// when all have returned. Every chunk runs in the caller's floating-point environment, whichever
-/// thread runs it. If chunks throw (user code: a tensor adapter, an executor), the
-/// chunks not yet started are skipped and the first exception is rethrown here once every
-/// started chunk has returned. If threads cannot be started, the caller runs their chunks itself.
-/// Allocates only when it starts threads (no pool).
+/// Which of up to max_chunks tasks have started: each task's first start is let through, a
+/// second start of the same task or an index out of range is recorded as a misbehaving executor.
+class task_ledger {
+ public:
+  explicit task_ledger(std::size_t tasks) noexcept : tasks_(tasks) {}
+  /// Marks task c as started; false (and nothing to run) if it is out of range or started before.
+  bool start(std::size_t c) noexcept {
+    if (c >= tasks_) {
+      out_of_range_.store(true, std::memory_order_relaxed);
+      return false;
+    }
+    const std::uint64_t bit = std::uint64_t{1} << (c % 64);
+    if ((words_[c / 64].fetch_or(bit, std::memory_order_relaxed) & bit) != 0) {
+      started_twice_.store(true, std::memory_order_relaxed);
+      return false;
+    }
+    return true;
+  }
+  /// After parallel_for returned: std::logic_error naming the first misbehaviour, if any.
+  void check() const {
+    if (out_of_range_.load(std::memory_order_relaxed))
+      throw std::logic_error("gradavg: executor::parallel_for(" + std::to_string(tasks_) +
+                             ", task) called task with an index out of range");
+    if (started_twice_.load(std::memory_order_relaxed))
+      throw std::logic_error("gradavg: executor::parallel_for(" + std::to_string(tasks_) +
+                             ", task) called a task more than once (each must run exactly once)");
+    for (std::size_t c = 0; c < tasks_; ++c)
+      if ((words_[c / 64].load(std::memory_order_relaxed) & (std::uint64_t{1} << (c % 64))) == 0)
+        throw std::logic_error("gradavg: executor::parallel_for(" + std::to_string(tasks_) +
+                               ", task) returned without running every task (task " + std::to_string(c) +
+                               " never ran)");
+  }
+
+ private:
+  std::size_t tasks_;
+  std::atomic<std::uint64_t> words_[max_chunks / 64] = {};
+  std::atomic<bool> out_of_range_{false}, started_twice_{false};
+};
+
+/// Calls chunk(c) once for each c in [0, chunks) (chunks <= max_chunks), concurrently where
+/// options allow, and returns when all have returned. Every chunk runs in the caller's
+/// floating-point environment, whichever thread runs it. If chunks throw (user code: a tensor
+/// adapter, an executor), the chunks not yet started are skipped and the first exception is
+/// rethrown here once every started chunk has returned. An executor that breaks its contract
+/// (a task never run, run twice, or an index out of range) is reported as std::logic_error; a
+/// second start of a task does not run the chunk again. If threads cannot be started, the caller
+/// runs their chunks itself. Allocates only when it starts threads (no pool).
 template <class Chunk>
 void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
   if (chunks <= 1) {
     if (chunks == 1) chunk(0);
     return;
   }
+  if (chunks > max_chunks) throw std::logic_error("gradavg: run_chunks over more than max_chunks chunks");
   const executor_detail::fp_environment caller_env;
   executor_detail::first_exception failure;
-  std::atomic<std::size_t> finished{0};
+  task_ledger ledger(chunks);
   auto guarded = [&](std::size_t c) noexcept {
-    if (failure.failed()) return;
+    if (!ledger.start(c) || failure.failed()) return;
     try {
       // On every thread, the caller's too: an executor may change its environment (TBB's arenas
       // apply the settings captured when the arena was made).
       const auto env = caller_env.apply();
       chunk(c);
-      finished.fetch_add(1, std::memory_order_relaxed);
     } catch (...) {
       failure.capture();
     }
@@ -84,8 +130,7 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
     for (auto& t : started) t.join();
   }
   failure.rethrow_if_any();
-  if (finished.load(std::memory_order_relaxed) != chunks)
-    throw std::logic_error("gradavg: executor::parallel_for returned without running every task");
+  ledger.check();
 }
 
 }  // namespace detail
