@@ -116,7 +116,7 @@ TEST_CASE("a gradient missing on some towers only") {
   f.tg[3][1].first = nullptr;
   const auto msg = f.both_throw<gradavg::missing_gradient_error>();
   CHECK(contains(msg, "variable #1 'b1'"));
-  CHECK(contains(msg, "missing on towers 1 and 3 of 5"));
+  CHECK(contains(msg, "missing on towers 1 and 3 but present on towers 0, 2 and 4 (3 of 5 towers)"));
   CHECK(gradavg_test::exception_of<gradavg::error>([&] { gradavg::average_gradients(f.tg); }).variable_index() == 1);
 }
 
@@ -133,8 +133,19 @@ TEST_CASE("a variable that differs between towers") {
   f.tg[2][1].second = "b1_typo";
   const auto msg = f.both_throw<gradavg::variable_mismatch_error>();
   CHECK(contains(msg, "variable #1 'b1'"));
-  CHECK(contains(msg, "tower 2 has variable 'b1_typo'"));
-  CHECK(contains(msg, "tower 0 has 'b1'"));
+  CHECK(contains(msg, "tower 2 has variable 'b1_typo' at this position but towers 0 and 1 have 'b1';"));
+}
+
+TEST_CASE("a variable that differs on tower 0 only names tower 0, and what each side has") {
+  fixture f(4);
+  f.tg[0][1].second = "b1_typo";
+  const auto msg = f.both_throw<gradavg::variable_mismatch_error>();
+  CHECK(contains(msg, "variable #1 'b1': tower 0 has variable 'b1_typo' at this position but towers 1, 2 and 3 "
+                      "have 'b1';"));
+  // Two against two: the side of the lowest tower is taken as the one to match.
+  f.tg[1][1].second = "b1_typo";
+  CHECK(contains(f.both_throw<gradavg::variable_mismatch_error>(),
+                 "towers 2 and 3 have variable 'b1' at this position but towers 0 and 1 have 'b1_typo'"));
 }
 
 TEST_CASE("an error on the last variable leaves earlier outputs untouched") {

@@ -71,6 +71,10 @@ void check_weights_scale_statistics(std::size_t towers, bool weighted, double sc
   CHECK(r.summary.nonfinite_variables == 0);
   CHECK_FALSE(r.summary.nonfinite());
   CHECK(r.summary.towers == towers);
+  // Towers of weight 0 hold no sample: the noise estimate counts the others.
+  const auto weighted_towers = static_cast<std::size_t>(
+      weights.empty() ? towers : std::count_if(weights.begin(), weights.end(), [](double x) { return x > 0; }));
+  CHECK(r.summary.weighted_towers == weighted_towers);
   CHECK(r.summary.total_samples == 32.0 * static_cast<double>(towers));
   for (std::size_t i = 0; i < sizes.size(); ++i)
     if (!absent[i]) CHECK_FALSE(r.per_variable[i].nonfinite);
@@ -89,19 +93,19 @@ void check_weights_scale_statistics(std::size_t towers, bool weighted, double sc
   CHECK(r.summary.clip_coefficient(norm / 2) == Approx(0.5).epsilon(1e-4));
   CHECK(r.summary.clip_coefficient(norm * 2) == 1.0);
   const auto noise = r.summary.noise();
-  if (towers < 2) {
+  if (weighted_towers < 2) {
     CHECK(std::isnan(noise.trace_covariance));
     CHECK(std::isnan(noise.gradient_squared));
     CHECK(std::isnan(noise.simple_noise_scale));
   } else {
     // The formulas applied to the reported sums (exact up to double rounding)...
     const auto from_sums = mccandlish(r.summary.sum_mean_squared, r.summary.sum_mean_of_squares,
-                                      static_cast<long double>(towers), r.summary.total_samples);
+                                      static_cast<long double>(weighted_towers), r.summary.total_samples);
     CHECK(noise.trace_covariance == Approx(static_cast<double>(from_sums.trace)).epsilon(1e-12));
     CHECK(noise.gradient_squared == Approx(static_cast<double>(from_sums.gradient_squared)).epsilon(1e-12));
     CHECK(noise.simple_noise_scale == Approx(static_cast<double>(from_sums.noise_scale)).epsilon(1e-12));
     // ... and to the reference's sums, within the sums' error bounds carried through the formulas.
-    const long double T = static_cast<long double>(towers), B = 32.0L * T;
+    const long double T = static_cast<long double>(weighted_towers), B = 32.0L * static_cast<long double>(towers);
     const auto ref = mccandlish(m2, msq, T, B);
     const long double trace_bound = B * (m2_bound + msq_bound) / (T - 1);
     const long double g2_bound = m2_bound + trace_bound / B;
@@ -154,11 +158,18 @@ TEST_CASE("without weights, with scale 1, statistics and detection change no out
     const auto fused = run_into(w, opts);
     CHECK(same_bits_all(plain.means, fused.means));
     CHECK(same_bits_all(plain.squares, fused.squares));
-    // Statistics off: sums 0 and per_variable sums untouched (nonfinite is written: detection is on).
+    // Statistics off: sums NaN, the derived statistics refused, per_variable sums untouched
+    // (nonfinite is written: detection is on).
     opts.statistics = false;
     const auto no_stats = run_into(w, opts);
-    CHECK(no_stats.summary.sum_mean_squared == 0);
-    CHECK(no_stats.summary.sum_mean_of_squares == 0);
+    CHECK_FALSE(no_stats.summary.statistics);
+    CHECK(std::isnan(no_stats.summary.sum_mean_squared));
+    CHECK(std::isnan(no_stats.summary.sum_mean_of_squares));
+    CHECK_THROWS_AS(no_stats.summary.global_norm(), gradavg::statistics_error);
+    CHECK_THROWS_AS(no_stats.summary.clip_coefficient(1.0), gradavg::statistics_error);
+    CHECK_THROWS_AS(no_stats.summary.noise(), gradavg::statistics_error);
+    CHECK_THROWS_AS(no_stats.summary.noise(no_stats.per_variable[0]), gradavg::statistics_error);
+    CHECK(fused.summary.statistics);
     for (const auto& v : no_stats.per_variable) {
       CHECK_FALSE(v.nonfinite);
       CHECK(same_double_bits(v.sum_mean_squared, untouched_entry.sum_mean_squared));
@@ -194,6 +205,215 @@ TEST_CASE("statistics of zero gradients and unknown sample counts") {
   CHECK(r.summary.total_samples == 0);  // samples_per_tower unknown
   CHECK(std::isnan(r.summary.noise().simple_noise_scale));
   CHECK(std::isnan(r.summary.noise().trace_covariance));
+}
+
+TEST_CASE("clip_coefficient: min(1, max_norm / norm), 1 for a zero norm, NaN for a non-finite one") {
+  // One variable whose mean over two towers is (3, 4, 0, 0): norm 5.
+  fused_towers<float> w(2, {4});
+  for (auto& tower : w.data) tower[0] = {3.0f, 4.0f, 0.0f, 0.0f};
+  const auto r = run_into(w, {.statistics = true});
+  REQUIRE(r.summary.global_norm() == 5.0);
+  CHECK(r.summary.clip_coefficient(10.0) == 1.0);
+  CHECK(r.summary.clip_coefficient(5.0) == 1.0);
+  CHECK(r.summary.clip_coefficient(2.5) == 0.5);
+  CHECK(r.summary.clip_coefficient(std::numeric_limits<double>::min()) > 0);
+
+  for (auto& tower : w.data) std::fill(tower[0].begin(), tower[0].end(), 0.0f);
+  const auto zero = run_into(w, {.statistics = true});
+  CHECK(zero.summary.global_norm() == 0.0);
+  CHECK(zero.summary.clip_coefficient(1.0) == 1.0);
+  CHECK(zero.summary.clip_coefficient(1e-300) == 1.0);
+
+  w.data[1][0][2] = std::numeric_limits<float>::infinity();
+  CHECK(std::isnan(run_into(w, {.statistics = true}).summary.clip_coefficient(1.0)));
+
+  // A max_norm that would flip or void the gradient is refused, whatever the norm.
+  for (const auto* s : {&r.summary, &zero.summary})
+    for (double bad : {-1.0, 0.0, -0.0, nan_value, inf_value, -inf_value}) {
+      INFO("max_norm " << bad);
+      const std::string message =
+          message_of<gradavg::statistics_error>([&] { static_cast<void>(s->clip_coefficient(bad)); });
+      CHECK(contains(message, "max_norm must be finite and > 0"));
+    }
+}
+
+TEST_CASE("the noise estimate is unbiased for towers of equal, unequal and zero weight") {
+  // Synthetic steps with a known answer: tower k's gradient is the mean of b_k samples of mean G
+  // and covariance Sigma = 4 I over 64 elements (tr Sigma = 256, |G|^2 = 64 * 0.2^2 = 2.56),
+  // drawn as G + sqrt(4 / b_k) z with z standard normal, and tower k weighs b_k. A weight-0
+  // tower holds no sample: its gradient is noise of another scale, which must not matter.
+  // Over 4000 steps the mean of each estimate must lie within 5 standard errors (from the
+  // estimates' own spread) of the truth.
+  constexpr std::size_t n = 64, steps = 4000;
+  constexpr double sigma2 = 4.0, g = 0.2;
+  const double true_trace = static_cast<double>(n) * sigma2, true_g2 = static_cast<double>(n) * g * g;
+  struct config {
+    const char* name;
+    std::vector<double> samples;
+  };
+  for (const config& c : {config{"equal", {32, 32, 32, 32}}, config{"unequal", {64, 16, 48, 8, 24}},
+                          config{"two towers", {10, 30}}, config{"a tower of weight 0", {64, 64, 32, 0}},
+                          config{"weight 0 first and last", {0, 40, 40, 80, 0}}}) {
+    INFO(c.name);
+    const std::size_t towers = c.samples.size();
+    double total = 0;
+    for (double b : c.samples) total += b;
+    const auto weighted = static_cast<std::size_t>(
+        std::count_if(c.samples.begin(), c.samples.end(), [](double b) { return b > 0; }));
+    std::mt19937_64 gen(1000 * towers + static_cast<std::uint64_t>(total));
+    std::normal_distribution<double> z;
+    std::vector<std::vector<double>> data(towers, std::vector<double>(n));
+    std::vector<std::vector<std::pair<const std::vector<double>*, int>>> tg(towers), without_empty;
+    for (std::size_t k = 0; k < towers; ++k) {
+      tg[k].push_back({&data[k], 0});
+      if (c.samples[k] > 0) without_empty.push_back(tg[k]);
+    }
+    std::vector<double> nonzero_samples;
+    for (double b : c.samples)
+      if (b > 0) nonzero_samples.push_back(b);
+    std::vector<std::vector<double>> means{std::vector<double>(n)};
+    const gradavg::options opts{.weights = c.samples, .statistics = true,
+                                .samples_per_tower = total / static_cast<double>(towers)};
+    const gradavg::options opts_without_empty{.weights = nonzero_samples, .statistics = true,
+                                              .samples_per_tower = total / static_cast<double>(weighted)};
+    double trace_sum = 0, trace_sq = 0, g2_sum = 0, g2_sq = 0;
+    std::size_t unlike_without_empty = 0;
+    for (std::size_t step = 0; step < steps; ++step) {
+      for (std::size_t k = 0; k < towers; ++k) {
+        const double sd = c.samples[k] > 0 ? std::sqrt(sigma2 / c.samples[k]) : 100.0;
+        for (double& x : data[k]) x = g + sd * z(gen);
+      }
+      const gradavg::summary s = gradavg::average_gradients_into(tg, means, opts);
+      REQUIRE(s.weighted_towers == weighted);
+      const gradavg::noise_estimate e = s.noise();
+      trace_sum += e.trace_covariance;
+      trace_sq += e.trace_covariance * e.trace_covariance;
+      g2_sum += e.gradient_squared;
+      g2_sq += e.gradient_squared * e.gradient_squared;
+      if (weighted != towers && step < 50) {
+        // The same samples without the empty towers: the same estimates.
+        const gradavg::noise_estimate same =
+            gradavg::average_gradients_into(without_empty, means, opts_without_empty).noise();
+        if (e.trace_covariance != Approx(same.trace_covariance).epsilon(1e-12) ||
+            e.gradient_squared != Approx(same.gradient_squared).epsilon(1e-12))
+          ++unlike_without_empty;
+      }
+    }
+    const double count = static_cast<double>(steps);
+    const double trace_mean = trace_sum / count, g2_mean = g2_sum / count;
+    const double trace_se = std::sqrt((trace_sq / count - trace_mean * trace_mean) / count);
+    const double g2_se = std::sqrt((g2_sq / count - g2_mean * g2_mean) / count);
+    INFO("trace_covariance " << trace_mean << " +- " << trace_se << " (true " << true_trace << "), gradient_squared "
+                             << g2_mean << " +- " << g2_se << " (true " << true_g2 << ")");
+    CHECK(unlike_without_empty == 0);
+    CHECK(std::abs(trace_mean - true_trace) <= 5 * trace_se);
+    CHECK(std::abs(g2_mean - true_g2) <= 5 * g2_se);
+    CHECK(trace_se < 0.02 * true_trace);  // the test can tell a bias of a few percent
+    CHECK(g2_se < 0.02 * true_g2);
+  }
+}
+
+TEST_CASE("the scale meets every input before any sum: a sum overflows where the scaled, weighted sum does") {
+  // Two float gradients of 3e38: their sum (6e38) overflows float although their mean fits.
+  fused_towers<float> w(2, {3});
+  for (auto& tower : w.data) std::fill(tower[0].begin(), tower[0].end(), 3e38f);
+  const auto unscaled = run_into(w, {.on_nonfinite = gradavg::nonfinite_policy::report});
+  CHECK(std::isinf(unscaled.means[0][0]));
+  CHECK(unscaled.summary.nonfinite_variables == 0);  // finite inputs: an overflowed sum, not a bad input
+  // Scaled by 0.25 before the sum: 1.5e38, then halved; exact, as 0.25 is a power of two.
+  const auto scaled = run_into(w, {.scale = 0.25});
+  CHECK(scaled.means[0][0] == 0.25f * 3e38f);
+  // Weights enter the same way: w_k * scale meets g_k before the sum, the weight sum divides after.
+  const double heavy[] = {4.0, 4.0};
+  CHECK(std::isinf(run_into(w, {.weights = heavy, .scale = 0.25}).means[0][0]));
+  const double light[] = {0.25, 0.25};
+  CHECK(run_into(w, {.weights = light}).means[0][0] == 3e38f);
+  // Summed in double, the same sum fits.
+  CHECK(run_into(w, {.accumulate = gradavg::accumulation::double_precision}).means[0][0] == 3e38f);
+
+  // Squares: (1e19)^2 = 1e38 on four towers sums to 4e38 unscaled; scale 0.5 squared first: 1e38.
+  fused_towers<float> sq(4, {2});
+  for (auto& tower : sq.data) std::fill(tower[0].begin(), tower[0].end(), 1e19f);
+  CHECK(std::isinf(run_into(sq, {}).squares[0][0]));
+  const float want = static_cast<float>(0.25 * 1e19 * 1e19);
+  const float got = run_into(sq, {.scale = 0.5}).squares[0][0];
+  CHECK(std::abs(got - want) <= 2 * std::numeric_limits<float>::epsilon() * want);
+
+  // bfloat16 inputs near its (float's) largest value, summed in float.
+  fused_towers<Eigen::bfloat16> b(2, {3});
+  for (auto& tower : b.data) std::fill(tower[0].begin(), tower[0].end(), Eigen::bfloat16(3e38f));
+  CHECK(std::isinf(run_into<float>(b, {}).means[0][0]));
+  CHECK(run_into<float>(b, {.scale = 0.25}).means[0][0] == 0.25f * static_cast<float>(Eigen::bfloat16(3e38f)));
+}
+
+namespace {
+
+/// Counts the means and squares of a weighted, scaled float call outside the documented bound:
+/// with u the accumulator's unit roundoff, m = |scale| sum w_k |g_k| / sum w_k and
+/// q = scale^2 sum w_k g_k^2 / sum w_k, the mean within 0.5 ulp + (2T + 4) u m of
+/// scale sum w_k g_k / sum w_k, the square within 0.5 ulp + (2T + 4) u q of q. The reference is
+/// long double (unit roundoff 2^-64): its own error, below (2T + 8) 2^-64 of the same magnitudes,
+/// is added to the bound.
+std::pair<std::size_t, std::size_t> outside_bound(const std::vector<std::vector<float>>& data,
+                                                  const std::vector<double>& weights, double scale,
+                                                  const std::vector<float>& means, const std::vector<float>& squares,
+                                                  long double u) {
+  const long double T = static_cast<long double>(data.size());
+  const long double ref_u = std::ldexp(1.0L, -64);
+  auto ulp = [](float r) { return std::ldexp(1.0L, std::max(std::ilogb(r), -126) - 23); };
+  std::size_t bad_means = 0, bad_squares = 0;
+  for (std::size_t j = 0; j < means.size(); ++j) {
+    long double sum = 0, mag = 0, sq = 0, wsum = 0;
+    for (std::size_t k = 0; k < data.size(); ++k) {
+      const long double x = data[k][j], wk = weights[k];
+      sum += wk * x;
+      mag += wk * std::abs(x);
+      sq += wk * x * x;
+      wsum += wk;
+    }
+    const long double c = scale;
+    const long double exact = c * sum / wsum, m = std::abs(c) * mag / wsum, q = c * c * sq / wsum;
+    const long double slack = (2 * T + 4) * u + (2 * T + 8) * ref_u;
+    if (!(std::abs(static_cast<long double>(means[j]) - exact) <= 0.5L * ulp(means[j]) + slack * m)) ++bad_means;
+    if (!(std::abs(static_cast<long double>(squares[j]) - q) <= 0.5L * ulp(squares[j]) + slack * q)) ++bad_squares;
+  }
+  return {bad_means, bad_squares};
+}
+
+}  // namespace
+
+TEST_CASE("the accuracy bound with weights and scale: (2T + 4) u |scale| times the weighted mean of |g_k|") {
+  // Floats of magnitude in [2^-30, 1) and both signs (cancellation), uneven non-dyadic weights with
+  // zeros, scales that are not powers of two.
+  for (std::size_t towers : {1, 2, 3, 17, 100, 1024}) {
+    const std::size_t n = 67;
+    std::mt19937_64 gen(towers + 5);
+    std::vector<std::vector<float>> data(towers, std::vector<float>(n));
+    for (auto& g : data)
+      for (float& x : g) {
+        const int e = static_cast<int>(gen() % 30) - 30;
+        const auto m = static_cast<double>((gen() % (std::uint64_t{1} << 23)) | (std::uint64_t{1} << 23));
+        x = static_cast<float>(std::ldexp(m, e - 23) * ((gen() & 1) ? -1 : 1));
+      }
+    std::vector<double> weights(towers);
+    for (std::size_t k = 0; k < towers; ++k)
+      weights[k] = k % 5 == 1 ? 0.0 : 1.0 + static_cast<double>(gen() % 1000) / 7;
+    std::vector<std::vector<std::pair<const std::vector<float>*, int>>> tg(towers);
+    for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({&data[k], 0});
+    for (double scale : {1.0 / 3, -1000.0, 0.1}) {
+      for (auto accumulate : {gradavg::accumulation::double_precision, gradavg::accumulation::native}) {
+        const bool in_double = accumulate == gradavg::accumulation::double_precision;
+        INFO("T = " << towers << ", scale " << scale << (in_double ? ", in double" : ", in float"));
+        std::vector<std::vector<float>> means{std::vector<float>(n, -1.0f)}, squares = means;
+        gradavg::average_gradients_into(tg, means, squares,
+                                        {.accumulate = accumulate, .weights = weights, .scale = scale});
+        const auto [bad_means, bad_squares] =
+            outside_bound(data, weights, scale, means[0], squares[0], std::ldexp(1.0L, in_double ? -53 : -24));
+        CHECK(bad_means == 0);
+        CHECK(bad_squares == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("accumulation in double: within half an ulp plus T 2^-53 of the exact mean, T up to 1024") {

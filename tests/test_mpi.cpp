@@ -359,7 +359,11 @@ TEST_CASE("weights, scale, non-finite detection and statistics: the one-process 
   const std::size_t rank = static_cast<std::size_t>(world_rank());
   const std::size_t total = w.total_towers();
   std::vector<double> all_weights(total);
-  for (std::size_t k = 0; k < total; ++k) all_weights[k] = 0.5 + static_cast<double>(k % 4);
+  // Towers 2 and 5 (ranks 1 and 2, each beside a tower of positive weight) weigh 0: they hold no
+  // sample of the noise estimate.
+  for (std::size_t k = 0; k < total; ++k) all_weights[k] = k == 2 || k == 5 ? 0.0 : 0.5 + static_cast<double>(k % 4);
+  const auto weighted = static_cast<std::size_t>(std::count_if(all_weights.begin(), all_weights.end(),
+                                                               [](double x) { return x > 0; }));
   const std::size_t first = w.first_tower(rank);
   const std::vector<double> mine(all_weights.begin() + static_cast<std::ptrdiff_t>(first),
                                  all_weights.begin() + static_cast<std::ptrdiff_t>(first + w.towers_of[rank]));
@@ -397,6 +401,8 @@ TEST_CASE("weights, scale, non-finite detection and statistics: the one-process 
     CHECK(per[1].nonfinite);
     CHECK_FALSE(per[0].nonfinite);
     CHECK(s.towers == total);
+    CHECK(s.weighted_towers == weighted);
+    CHECK(s1.weighted_towers == weighted);
     CHECK(s.total_samples == s1.total_samples);
     const double tol = 4 * tolerance<float>(total);
     for (std::size_t i : {std::size_t{0}, std::size_t{2}}) {
@@ -439,6 +445,13 @@ TEST_CASE("the allocating API: the same bits as average_gradients_into, skipped 
 }
 
 // ---- Failures on one rank only. ----
+
+/// "rank 0", "ranks 0 and 2", "ranks 0, 2 and 3": every rank but rank 1, as messages list them.
+std::string all_but_rank_1() {
+  std::string list = world_size() > 2 ? "ranks 0" : "rank 0";
+  for (int r = 2; r < world_size(); ++r) list += (r + 1 == world_size() ? " and " : ", ") + std::to_string(r);
+  return list;
+}
 
 /// Runs the call on every rank with the local towers of `local` and requires every rank to throw
 /// E (the failing rank F when given), outputs untouched. Returns this rank's message.
@@ -489,7 +502,7 @@ TEST_CASE("a different shape on one rank: shape_error on every rank naming it") 
   if (world_rank() == 1) out[1].resize(9, -1234.5f);
   const std::string m = every_rank_throws<gradavg::shape_error>(local, out, 1);
   CHECK(contains(m, "variable #1 'v1'"));
-  CHECK(contains(m, "[9] on rank 1 but shape [6] on rank 0"));
+  CHECK(contains(m, "[9] on rank 1 but shape [6] on " + all_but_rank_1()));
 }
 
 TEST_CASE("a different variable count on one rank: tower_error on every rank naming it") {
@@ -501,7 +514,7 @@ TEST_CASE("a different variable count on one rank: tower_error on every rank nam
     out.pop_back();
   }
   const std::string m = every_rank_throws<gradavg::tower_error>(local, out, 1);
-  CHECK(contains(m, "rank 1 holds 2 variables but rank 0 holds 3"));
+  CHECK(contains(m, "rank 1 holds 2 variables but " + all_but_rank_1() + (world_size() > 2 ? " hold 3" : " holds 3")));
 }
 
 TEST_CASE("a different variable order on one rank: variable_mismatch_error on every rank") {
@@ -512,7 +525,8 @@ TEST_CASE("a different variable order on one rank: variable_mismatch_error on ev
   auto out = w.outputs();
   const std::string m = every_rank_throws<gradavg::variable_mismatch_error>(local, out, 1);
   CHECK(contains(m, "variable #0"));
-  CHECK(contains(m, "rank 1 has a different variable at this position than rank 0"));
+  CHECK(contains(m, "rank 1 has a different variable at this position than " +
+                    all_but_rank_1()));
 }
 
 TEST_CASE("a local validation error on one rank: its own error there, remote_error naming it elsewhere") {
@@ -578,7 +592,14 @@ TEST_CASE("options that differ on one rank: option_error on every rank; bad weig
   gradavg::mpi::options opts;
   if (world_rank() == 1) opts.scale = 2;
   const std::string m = every_rank_throws<gradavg::option_error>(local, out, 1, opts);
-  CHECK(contains(m, "rank 1"));
+  CHECK(contains(m, "rank 1 passes a different options.scale than rank"));
+
+  // Rank 0 the odd one out: named as such where the others agree (3 ranks or more).
+  gradavg::mpi::options odd_first;
+  if (world_rank() == 0) odd_first.scale = 2;
+  const std::string first = every_rank_throws<gradavg::option_error>(local, out, 0, odd_first);
+  CHECK(contains(first, world_size() > 2 ? "rank 0 passes a different options.scale than ranks 1"
+                                         : "rank 1 passes a different options.scale than rank 0"));
 
   gradavg::mpi::options bad;
   std::vector<double> weights(w.towers_of[static_cast<std::size_t>(world_rank())] + 1, 1.0);

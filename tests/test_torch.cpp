@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -159,7 +160,8 @@ TEST_CASE("undefined tensors are absent gradients") {
   const auto e = gradavg_test::exception_of<gradavg::missing_gradient_error>(
       [&] { gradavg::average_gradients_into(tg, means); });
   CHECK(e.variable_index() == 2);
-  CHECK(gradavg_test::contains(e.what(), "variable #2 'v2': gradient missing on tower 2 of 3"));
+  CHECK(gradavg_test::contains(e.what(), "variable #2 'v2': gradient missing on tower 2 but present on towers 0 and 1 "
+                                         "(2 of 3 towers)"));
   CHECK(all_bitwise_equal(means, before));
 }
 
@@ -231,8 +233,15 @@ TEST_CASE("parameter tensors as variables: the same TensorImpl on every tower, p
   tg[1][0].second = other;
   const auto e =
       gradavg_test::exception_of<gradavg::variable_mismatch_error>([&] { gradavg::average_gradients_into(tg, means); });
-  CHECK(std::string(e.what()) == "variable #0 'Float[3]': tower 1 has variable 'Float[3]' at this position but tower 0 "
-                                 "has 'Float[3]'; every tower must list the same variables in the same order");
+  // Same dtype and shape: the two parameters are told apart by their TensorImpl.
+  auto at_of = [](const at::Tensor& t) {
+    std::ostringstream os;
+    os << static_cast<const void*>(t.unsafeGetTensorImpl());
+    return os.str();
+  };
+  CHECK(std::string(e.what()) == "variable #0 'Float[3] at " + at_of(w) + "': tower 1 has variable 'Float[3] at " +
+                                     at_of(other) + "' at this position but tower 0 has 'Float[3] at " + at_of(w) +
+                                     "'; every tower must list the same variables in the same order");
 }
 
 namespace {
@@ -327,7 +336,8 @@ TEST_CASE("module replicas: a module pointer span, and mismatches reported befor
     replicas[1]->fc2->bias.set_requires_grad(false);
     const auto e = gradavg_test::exception_of<gradavg::missing_gradient_error>(
         [&] { gradavg::torch::average_module_gradients(std::span<torch::nn::Module* const>(modules)); });
-    CHECK(gradavg_test::contains(e.what(), "variable #3 'fc2.bias': gradient missing on tower 1 of 2"));
+    CHECK(gradavg_test::contains(e.what(), "variable #3 'fc2.bias': gradient missing on tower 1 but present on tower 0 "
+                                           "(1 of 2 towers)"));
     replicas[1]->fc2->bias.set_requires_grad(true);
   }
   SECTION("replicas of different models") {

@@ -255,22 +255,30 @@ TEST_CASE("module replicas across ranks: every replica of every rank holds the m
   CHECK(same_on_every_rank(hash_of(g0)));
 }
 
-TEST_CASE("another dtype on one rank: option_error on every rank naming it, nothing written") {
+TEST_CASE("another dtype on one rank: option_error on every rank naming it and what each side has, nothing written") {
   const towers_t all = all_towers({{4}, {5}}, at::kFloat, 5);
-  towers_t local = local_towers(all);
-  const std::size_t last = world_size() - 1;
-  if (world_rank() == last)
-    for (auto& tower : local)
-      for (auto& e : tower) e.first = e.first.to(at::kDouble);
-  auto means = outputs_like(local, world_rank() == last ? at::kDouble : at::kFloat);
-  const auto before = hash_of(means);
-  const std::string m =
-      exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); })
-          .what();
-  CHECK(contains(m, "rank " + std::to_string(last)));
-  CHECK(contains(m, "float64 gradients into float64 outputs"));
-  CHECK(hash_of(means) == before);
-  CHECK(same_on_every_rank(42));
+  // The odd rank is the last, then rank 0: with 3 ranks or more the others agree, and the message
+  // names the odd one whichever it is (with 2, neither is the odd one: both are named).
+  for (const std::size_t odd : {world_size() - 1, std::size_t{0}}) {
+    INFO("rank " << odd << " passes float64");
+    towers_t local = local_towers(all);
+    if (world_rank() == odd)
+      for (auto& tower : local)
+        for (auto& e : tower) e.first = e.first.to(at::kDouble);
+    auto means = outputs_like(local, world_rank() == odd ? at::kDouble : at::kFloat);
+    const auto before = hash_of(means);
+    const std::string m =
+        exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); })
+            .what();
+    if (world_size() >= 3)
+      CHECK(contains(m, "rank " + std::to_string(odd) + " passes float64 gradients into float64 outputs but ranks "));
+    else
+      CHECK(contains(m, "rank 1 passes float" + std::string(odd == 1 ? "64" : "32")));
+    CHECK(contains(m, "float32 gradients into float32 outputs"));
+    CHECK(contains(m, "float64 gradients into float64 outputs"));
+    CHECK(hash_of(means) == before);
+    CHECK(same_on_every_rank(42));
+  }
 }
 
 TEST_CASE("mixed dtypes within one rank: element_type_error there, remote_error elsewhere, nothing written") {

@@ -387,9 +387,13 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   r.averaged = pass.whole_range ? averaged : pass.written;
   r.skipped = skipped;
   r.nonfinite_variables = pass.nonfinite;
-  r.sum_mean_squared = pass.sum_mean_squared;
-  r.sum_mean_of_squares = pass.sum_mean_of_squares;
+  r.statistics = opts.statistics;
+  if (opts.statistics) {
+    r.sum_mean_squared = pass.sum_mean_squared;
+    r.sum_mean_of_squares = pass.sum_mean_of_squares;
+  }
   r.towers = towers;
+  r.weighted_towers = opts.weights.empty() ? towers : positive_weights(opts.weights);
   r.total_samples = opts.samples_per_tower * static_cast<double>(towers);
   return r;
 }

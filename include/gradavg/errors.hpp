@@ -79,4 +79,11 @@ class weight_error : public option_error {
   using option_error::option_error;
 };
 
+/// A summary's derived statistic (global_norm, clip_coefficient, noise) asked of a call that did
+/// not compute the statistics (options.statistics false), or clip_coefficient's max_norm not
+/// finite and positive.
+class statistics_error : public error {
+  using error::error;
+};
+
 }  // namespace gradavg

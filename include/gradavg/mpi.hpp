@@ -197,6 +197,7 @@ enum header_field : std::size_t {
   h_fusion_bytes,
   h_types,        // gradient and output element types
   h_weight_sum,   // bits of the double sum of this rank's weights (T when none)
+  h_weighted_towers,  // this rank's towers of positive weight (T when no weights)
   h_scale,        // bits of the scale
   h_samples,      // bits of samples_per_tower
   h_per_variable,  // per_variable passed
@@ -233,9 +234,39 @@ inline std::string types_of(std::uint64_t codes) {
 inline constexpr int exchange_tag = 0x4741;  // contributions to a slice's owner
 inline constexpr int gather_tag = 0x4742;    // summed slices back from their owner
 
+/// "rank 2", "ranks 1, 2 and 5", "ranks 1, 2, ... (40 in all)": at most 16 listed.
 inline std::string rank_list(const std::vector<int>& ranks) {
-  std::vector<std::size_t> r(ranks.begin(), ranks.end());
-  return std::string(ranks.size() > 1 ? "ranks " : "rank ") + describe_towers(r.data(), r.size(), r.size());
+  const std::size_t listed = std::min<std::size_t>(ranks.size(), 16);
+  std::vector<std::size_t> r(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(listed));
+  return std::string(ranks.size() > 1 ? "ranks " : "rank ") + describe_towers(r.data(), r.size(), ranks.size());
+}
+
+/// The ranks that disagree with the most common value, and those that hold it.
+struct rank_split {
+  std::vector<int> odd, common;
+};
+
+/// Splits the ranks r in [0, ranks) with considered(r) by value(r): common holds the value most
+/// ranks hold (on a tie, the lowest such rank's), odd every other. Built only on an error.
+template <class Value, class Considered>
+rank_split split_ranks(int ranks, const Value& value, const Considered& considered) {
+  int best = -1;
+  std::size_t best_count = 0;
+  for (int r = 0; r < ranks; ++r) {
+    if (!considered(r)) continue;
+    std::size_t count = 0;
+    for (int q = 0; q < ranks; ++q) count += considered(q) && value(q) == value(r) ? 1 : 0;
+    if (count > best_count) best = r, best_count = count;
+  }
+  rank_split split;
+  for (int r = 0; r < ranks; ++r)
+    if (considered(r)) (value(r) == value(best) ? split.common : split.odd).push_back(r);
+  return split;
+}
+
+/// "holds" or "hold" after a rank_list of these ranks.
+inline const char* verb_s(const std::vector<int>& ranks, const char* one, const char* many) {
+  return ranks.size() > 1 ? many : one;
 }
 
 inline double bits_to_double(std::uint64_t u) noexcept {
@@ -292,6 +323,8 @@ struct call {
       for (double w : opts.weights) weight_sum += w;
     }
     header[h_weight_sum] = double_to_bits(weight_sum);
+    header[h_weighted_towers] =
+        opts.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.weights);
     std::exception_ptr failure = prior;
     if (!failure) {
       try {
@@ -362,32 +395,29 @@ struct call {
                              "); nothing was averaged on any rank",
                          static_cast<std::size_t>(var));
     }
-    auto differing = [&](header_field f) {
-      std::vector<int> d;
-      for (int r = 1; r < ranks; ++r)
-        if (field(r, f) != field(0, f)) d.push_back(r);
-      return d;
+    auto every_rank = [](int) { return true; };
+    auto split_on = [&](header_field f) {
+      return split_ranks(ranks, [&](int r) { return field(r, f); }, every_rank);
     };
-    if (auto d = differing(h_variables); !d.empty())
-      throw tower_error("gradavg::mpi: " + rank_list(d) + " " + (d.size() > 1 ? "hold" : "holds") + " " +
-                        std::to_string(field(d.front(), h_variables)) + " variables but rank 0 holds " +
-                        std::to_string(field(0, h_variables)) + "; every rank must list the same variables in the same order");
+    if (const rank_split d = split_on(h_variables); !d.odd.empty())
+      throw tower_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "holds", "hold") + " " +
+                        std::to_string(field(d.odd.front(), h_variables)) + " variables but " + rank_list(d.common) +
+                        " " + verb_s(d.common, "holds", "hold") + " " +
+                        std::to_string(field(d.common.front(), h_variables)) +
+                        "; every rank must list the same variables in the same order");
     struct named {
       header_field f;
       const char* what;
     };
     {
-      std::vector<int> d;
-      int first = -1;  // the first rank that reads a gradient
-      for (int r = 0; r < ranks; ++r) {
-        if (field(r, h_types) == 0) continue;
-        if (first < 0) first = r;
-        else if (field(r, h_types) != field(first, h_types)) d.push_back(r);
-      }
-      if (!d.empty())
-        throw option_error("gradavg::mpi: " + rank_list(d) + " and rank " + std::to_string(first) +
-                           " pass gradients or outputs of a different element type (" + types_of(field(d.front(), h_types)) +
-                           " against " + types_of(field(first, h_types)) + "); every rank must pass the same");
+      // Among the ranks that read a gradient (a rank whose variables are all skipped reads none).
+      const rank_split d = split_ranks(
+          ranks, [&](int r) { return field(r, h_types); }, [&](int r) { return field(r, h_types) != 0; });
+      if (!d.odd.empty())
+        throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes ", "pass ") +
+                           types_of(field(d.odd.front(), h_types)) + " but " + rank_list(d.common) + " " +
+                           verb_s(d.common, "passes ", "pass ") + types_of(field(d.common.front(), h_types)) +
+                           "; every rank must pass the same element types");
     }
     for (const named& n : {named{h_squares, "whether squares outputs are passed"},
                            named{h_policy, "options.on_nonfinite, statistics or accumulate"},
@@ -395,8 +425,9 @@ struct call {
                            named{h_fusion_bytes, "options.fusion_bytes"}, named{h_scale, "options.scale"},
                            named{h_samples, "options.samples_per_tower"},
                            named{h_per_variable, "whether options.per_variable is passed"}})
-      if (auto d = differing(n.f); !d.empty())
-        throw option_error("gradavg::mpi: " + rank_list(d) + " and rank 0 pass a different " + std::string(n.what) +
+      if (const rank_split d = split_on(n.f); !d.odd.empty())
+        throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
+                           " a different " + std::string(n.what) + " than " + rank_list(d.common) +
                            "; every rank must pass the same");
   }
 
@@ -446,11 +477,11 @@ struct call {
     };
     const std::string name = describe_variable_at(tg, i);
     if (how == 1) {
-      std::vector<int> other;
-      for (int r = 1; r < ranks; ++r)
-        if (rec(r)[r_identity] != rec(0)[r_identity]) other.push_back(r);
-      throw variable_mismatch_error(name + ": " + rank_list(other) + " " + (other.size() > 1 ? "have" : "has") +
-                                        " a different variable at this position than rank 0; every rank must list "
+      const rank_split d = split_ranks(
+          ranks, [&](int r) { return rec(r)[r_identity]; }, [](int) { return true; });
+      throw variable_mismatch_error(name + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "has", "have") +
+                                        " a different variable at this position than " + rank_list(d.common) +
+                                        "; every rank must list "
                                         "the same variables in the same order",
                                     i);
     }
@@ -478,14 +509,11 @@ struct call {
                                        " towers in all); a gradient must be present on every tower of every rank or on none",
                                    i);
     }
-    int first = 0;
-    while (first < ranks && rec(first)[r_state] != present_everywhere) ++first;
-    std::vector<int> other;
-    for (int r = first + 1; r < ranks; ++r)
-      if (rec(r)[r_shape] != rec(first)[r_shape]) other.push_back(r);
-    throw shape_error(name + ": gradient has shape " + describe_shape(shape_of(other.front())) + " on " +
-                          rank_list(other) + " but shape " + describe_shape(shape_of(first)) + " on rank " +
-                          std::to_string(first),
+    const rank_split d = split_ranks(
+        ranks, [&](int r) { return rec(r)[r_shape]; }, [&](int r) { return rec(r)[r_state] == present_everywhere; });
+    throw shape_error(name + ": gradient has shape " + describe_shape(shape_of(d.odd.front())) + " on " +
+                          rank_list(d.odd) + " but shape " + describe_shape(shape_of(d.common.front())) + " on " +
+                          rank_list(d.common),
                       i);
   }
 
@@ -512,10 +540,11 @@ struct call {
   summary run() {
     const std::uint64_t* headers = work.words.data();
     // Agreed sizes: variables present everywhere contribute tower 0's element count.
-    std::size_t total_towers = 0;
+    std::size_t total_towers = 0, weighted_towers = 0;
     double weight_sum = 0;
     for (int r = 0; r < ranks; ++r) {
       total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
+      weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
       weight_sum += bits_to_double(headers[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
     }
     const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
@@ -560,6 +589,8 @@ struct call {
     summary result;
     result.skipped = skipped;
     result.towers = total_towers;
+    result.weighted_towers = weighted_towers;
+    result.statistics = opts.statistics;
     result.total_samples = opts.samples_per_tower * static_cast<double>(total_towers);
     const bool whole = range_begin == 0 && range_end == total;
     result.averaged = averaged;

@@ -34,8 +34,11 @@ enum class alias_check : std::uint8_t {
 /// The type float gradients are summed in (16-bit gradients are always summed in float, double
 /// gradients in double).
 enum class accumulation : std::uint8_t {
-  native,            ///< float in float: the mean within about T/2 ulp (sum in tower order)
-  double_precision,  ///< float in double, rounded once to the output: within half an ulp + T * 2^-53
+  native,            ///< float in float (sum in tower order)
+  /// float in double, rounded once to the output. With u the accumulator's unit roundoff (2^-53;
+  /// 2^-24 for native): every mean within half an ulp + (2T + 4) u |scale| sum w_k |g_k| / sum w_k
+  /// of the exact scale sum w_k g_k / sum w_k (T u times the mean |g_k| without weights and scale).
+  double_precision,
 };
 
 /// What happens when an input element is NaN or +-Inf (see average.hpp, "Non-finite inputs").
@@ -92,8 +95,10 @@ struct options {
   /// sum (weight_error). Not owned; read during the call only.
   std::span<const double> weights = {};
 
-  /// Factor applied to every mean after the division by the weight sum (and its square to every
-  /// mean of squares): unscaling by a loss scale. Finite (option_error).
+  /// Factor that meets every input before any sum, folded into each tower's weight:
+  /// mean = sum (w_k scale) g_k / sum w_k, square = sum (w_k scale) g_k (scale g_k) / sum w_k.
+  /// Unscales a loss scale: a sum overflows only where the scaled, weighted sum leaves the
+  /// accumulator type, never by the loss scale. Finite (option_error).
   double scale = 1.0;
 
   /// Detection of NaN and +-Inf inputs (summary::nonfinite_variables).
@@ -101,10 +106,12 @@ struct options {
 
   /// Fused statistics: summary's sum_mean_squared and sum_mean_of_squares (and so the global
   /// norm and the noise estimate), accumulated in double, bitwise the same for any thread count.
+  /// Off: those sums are NaN and summary's derived statistics throw statistics_error.
   bool statistics = false;
 
-  /// Mean number of samples behind one tower's gradient, for the noise estimate; with weights,
-  /// tower k's count is taken as proportional to w_k. 0: unknown (noise estimate left NaN).
+  /// The total sample count of the step divided by T (every tower, weight-0 ones included), for
+  /// the noise estimate; with weights, tower k's count is taken as proportional to w_k.
+  /// 0: unknown (noise estimate left NaN).
   double samples_per_tower = 0;
 
   /// Per-variable results: empty, or exactly one per variable (option_error), written for every

@@ -6,29 +6,43 @@
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <string>
+
+#include "errors.hpp"
 
 namespace gradavg {
 
-/// Gradient-noise estimate from one step's means and means of squares over T towers
-/// (McCandlish et al. 2018, "An Empirical Model of Large-Batch Training", appendix A.1, with the
-/// towers' gradients as the small batches and their weighted mean as the big one). With B the
-/// total sample count and tower k's count b_k proportional to its weight:
-///   trace_covariance  = B (sum_mean_of_squares - sum_mean_squared) / (T - 1)   estimates tr(Sigma)
-///   gradient_squared  = sum_mean_squared - trace_covariance / B                  estimates |G|^2
-///   simple_noise_scale = trace_covariance / gradient_squared                     B_simple
-/// Unbiased for tr(Sigma) and |G|^2 (not their ratio). NaN where T < 2 or B is unknown (0).
+/// Gradient-noise estimate from one step's means and means of squares (McCandlish et al. 2018,
+/// "An Empirical Model of Large-Batch Training", appendix A.1, with the towers' gradients as the
+/// small batches and their weighted mean as the big one), for towers of unequal sample counts.
+///
+/// Model: tower k's gradient g_k is the mean of b_k independent per-sample gradients of mean G
+/// and covariance Sigma, and its weight w_k is proportional to b_k (B = sum b_k; a weight-0 tower
+/// holds no sample). Then the weighted mean gbar = sum_k (b_k / B) g_k has
+///   E |gbar|^2                      = |G|^2 + tr(Sigma) / B
+///   E sum_k (b_k / B) |g_k|^2       = |G|^2 + T+ tr(Sigma) / B
+/// with T+ the number of towers of positive weight (each contributes b_k / B * tr(Sigma) / b_k).
+/// With S1 = sum_mean_squared (|gbar|^2) and S2 = sum_mean_of_squares (the weighted mean of the
+/// |g_k|^2), the estimates
+///   trace_covariance   = B (S2 - S1) / (T+ - 1)          estimates tr(Sigma)
+///   gradient_squared   = S1 - trace_covariance / B         estimates |G|^2
+///   simple_noise_scale = trace_covariance / gradient_squared   B_simple
+/// are unbiased for tr(Sigma) and |G|^2 (not their ratio) for any b_k; with equal weights
+/// (T+ = T, b_k = B / T) they are the paper's A.1 estimators with B_big = B, B_small = B / T.
+/// NaN where T+ < 2 or B is unknown (0).
 struct noise_estimate {
   double trace_covariance = std::numeric_limits<double>::quiet_NaN();
   double gradient_squared = std::numeric_limits<double>::quiet_NaN();
   double simple_noise_scale = std::numeric_limits<double>::quiet_NaN();
 };
 
-/// The noise estimate from the two sums of one variable or of all (see noise_estimate).
+/// The noise estimate from the two sums of one variable or of all (see noise_estimate), over
+/// weighted_towers = T+ towers of positive weight holding total_samples = B samples.
 [[nodiscard]] inline noise_estimate estimate_noise(double sum_mean_squared, double sum_mean_of_squares,
-                                                   std::size_t towers, double total_samples) noexcept {
+                                                   std::size_t weighted_towers, double total_samples) noexcept {
   noise_estimate e;
-  if (towers < 2 || !(total_samples > 0)) return e;
-  const double t = static_cast<double>(towers);
+  if (weighted_towers < 2 || !(total_samples > 0)) return e;
+  const double t = static_cast<double>(weighted_towers);
   e.trace_covariance = total_samples * (sum_mean_of_squares - sum_mean_squared) / (t - 1);
   e.gradient_squared = sum_mean_squared - e.trace_covariance / total_samples;
   e.simple_noise_scale = e.trace_covariance / e.gradient_squared;
@@ -36,15 +50,16 @@ struct noise_estimate {
 }
 
 /// One variable's results (options::per_variable[i]). For a skipped variable, or a variable
-/// with no element in options::range, every member is left as it was.
+/// with no element in options::range, every member is left as it was; so are the sums when
+/// options::statistics is off (their defaults, NaN, say "not computed").
 struct variable_statistics {
   /// An input element of this variable (within the range) was NaN or +-Inf; written when
   /// options::on_nonfinite is not ignore.
   bool nonfinite = false;
   /// sum over its elements of mean^2 (the squared L2 norm of its averaged gradient) and of the
   /// mean of squares; written when options::statistics. Both after options::scale, in double.
-  double sum_mean_squared = 0;
-  double sum_mean_of_squares = 0;
+  double sum_mean_squared = std::numeric_limits<double>::quiet_NaN();
+  double sum_mean_of_squares = std::numeric_limits<double>::quiet_NaN();
 };
 
 /// What an averaging call reports.
@@ -55,39 +70,62 @@ struct summary {
   /// Variables with at least one NaN or +-Inf input element (0 when detection is off).
   std::size_t nonfinite_variables = 0;
 
+  /// options::statistics was set: the sums below were computed, and so can global_norm(),
+  /// clip_coefficient() and noise(), which throw statistics_error otherwise.
+  bool statistics = false;
+
   /// With options::statistics, over every averaged element (in options::range): the sum of
   /// mean^2 and of the mean of squares, accumulated in double, bitwise the same for any thread
-  /// count. NaN or Inf when an input was; 0 otherwise when statistics are off.
-  double sum_mean_squared = 0;
-  double sum_mean_of_squares = 0;
+  /// count. NaN or Inf when an input was. NaN when statistics are off.
+  double sum_mean_squared = std::numeric_limits<double>::quiet_NaN();
+  double sum_mean_of_squares = std::numeric_limits<double>::quiet_NaN();
 
-  /// T, and the total sample count B (options::samples_per_tower * T; 0 when unknown).
+  /// T (every process's towers, across processes), and T+, the towers of positive weight (T
+  /// without options::weights): weight-0 towers hold no sample of the noise estimate.
   std::size_t towers = 0;
+  std::size_t weighted_towers = 0;
+  /// The total sample count B: options::samples_per_tower * T (0 when unknown).
   double total_samples = 0;
 
   /// Some input element was NaN or +-Inf: skip the step (and lower the loss scale).
   [[nodiscard]] bool nonfinite() const noexcept { return nonfinite_variables != 0; }
 
-  /// L2 norm of the averaged gradient over every averaged variable.
-  [[nodiscard]] double global_norm() const noexcept { return std::sqrt(sum_mean_squared); }
+  /// L2 norm of the averaged gradient over every averaged variable (in options::range).
+  [[nodiscard]] double global_norm() const {
+    require_statistics("global_norm()");
+    return std::sqrt(sum_mean_squared);
+  }
 
   /// Factor by which clipping to max_norm multiplies every mean: min(1, max_norm / norm), 1 for a
-  /// zero norm, NaN for a non-finite norm. Apply it in the optimizer's update (one multiply per
-  /// element the optimizer reads anyway) rather than in a pass of its own over the means.
-  [[nodiscard]] double clip_coefficient(double max_norm) const noexcept {
+  /// zero norm, NaN for a non-finite norm; max_norm must be finite and > 0 (statistics_error).
+  /// Apply it in the optimizer's update (one multiply per element the optimizer reads anyway)
+  /// rather than in a pass of its own over the means.
+  [[nodiscard]] double clip_coefficient(double max_norm) const {
+    if (!std::isfinite(max_norm) || !(max_norm > 0))
+      throw statistics_error("gradavg: clip_coefficient(max_norm): max_norm must be finite and > 0, not " +
+                             std::to_string(max_norm));
     const double norm = global_norm();
     if (!std::isfinite(norm)) return std::numeric_limits<double>::quiet_NaN();
     return norm > max_norm ? max_norm / norm : 1.0;
   }
 
-  /// The gradient-noise estimate over every averaged variable (needs T >= 2 and samples).
-  [[nodiscard]] noise_estimate noise() const noexcept {
-    return estimate_noise(sum_mean_squared, sum_mean_of_squares, towers, total_samples);
+  /// The gradient-noise estimate over every averaged variable (needs T+ >= 2 and samples).
+  [[nodiscard]] noise_estimate noise() const {
+    require_statistics("noise()");
+    return estimate_noise(sum_mean_squared, sum_mean_of_squares, weighted_towers, total_samples);
   }
 
-  /// The same for one variable's statistics.
-  [[nodiscard]] noise_estimate noise(const variable_statistics& v) const noexcept {
-    return estimate_noise(v.sum_mean_squared, v.sum_mean_of_squares, towers, total_samples);
+  /// The same for one variable's statistics (of this call).
+  [[nodiscard]] noise_estimate noise(const variable_statistics& v) const {
+    require_statistics("noise(variable_statistics)");
+    return estimate_noise(v.sum_mean_squared, v.sum_mean_of_squares, weighted_towers, total_samples);
+  }
+
+ private:
+  void require_statistics(const char* what) const {
+    if (!statistics)
+      throw statistics_error(std::string("gradavg: summary::") + what +
+                             " needs the statistics, and this call did not compute them (set options.statistics)");
   }
 };
 

@@ -112,7 +112,8 @@ struct variable_traits<at::Tensor> {
   static bool same(const at::Tensor& a, const at::Tensor& b) noexcept {
     return a.unsafeGetTensorImpl() == b.unsafeGetTensorImpl();
   }
-  /// "Float[3, 4]" ("undefined tensor"): never the elements.
+  /// "Float[3, 4] at 0x5581c0a3e2f0" (its TensorImpl, what same() compares: two parameters of one
+  /// dtype and shape print apart), "undefined tensor": never the elements.
   static void print(std::ostream& os, const at::Tensor& t) {
     if (!t.defined()) {
       os << "undefined tensor";
@@ -120,7 +121,7 @@ struct variable_traits<at::Tensor> {
     }
     os << c10::toString(t.scalar_type()) << '[';
     for (std::int64_t d = 0; d < t.dim(); ++d) os << (d ? ", " : "") << t.size(d);
-    os << ']';
+    os << "] at " << static_cast<const void*>(t.unsafeGetTensorImpl());
   }
 };
 

@@ -1420,14 +1420,23 @@ class runner {
                    " skipped; want " + std::to_string(averaged) + ", " + std::to_string(skipped));
     if (s.towers != c_.towers || !(s.total_samples == c_.fused.samples_per_tower * static_cast<double>(c_.towers)))
       fail(c_, api + ": summary says towers " + std::to_string(s.towers) + ", total_samples " + to_text(s.total_samples));
+    const auto& weights = c_.fused.weights;
+    const auto weighted = static_cast<std::size_t>(
+        weights.empty() ? c_.towers : std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
+    if (s.weighted_towers != weighted)
+      fail(c_, api + ": summary.weighted_towers is " + std::to_string(s.weighted_towers) + ", want " +
+                   std::to_string(weighted));
     if (!checked) return;
     if (s.nonfinite_variables != (detect_ ? flagged : 0) &&
         !(!detect_ && s.nonfinite_variables == flagged && tolerated("nonfinite-counted-under-ignore")))
       fail(c_, api + ": summary.nonfinite_variables is " + std::to_string(s.nonfinite_variables) + ", want " +
                    std::to_string(detect_ ? flagged : 0));
+    if (s.statistics != c_.fused.statistics)
+      fail(c_, api + ": summary.statistics is " + (s.statistics ? "true" : "false"));
     if (!c_.fused.statistics) {
-      if ((s.sum_mean_squared != 0 || s.sum_mean_of_squares != 0) && !tolerated("sums-without-statistics"))
-        fail(c_, api + ": statistics off but sums not 0");
+      if ((!std::isnan(s.sum_mean_squared) || !std::isnan(s.sum_mean_of_squares)) &&
+          !tolerated("sums-without-statistics"))
+        fail(c_, api + ": statistics off but sums not NaN");
       return;
     }
     if (!total.mean_squared.matches(s.sum_mean_squared))

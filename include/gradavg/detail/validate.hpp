@@ -307,6 +307,55 @@ std::size_t validate_tower_counts(const TG& tg) {
   return variable_count;
 }
 
+/// The variable_mismatch_error of variable i, whose variable differs between towers: names the
+/// towers that differ from the variable most towers hold (on a tie, the lowest such tower's) and
+/// what each side holds. O(T^2) comparisons: built only on an error.
+template <class TG>
+[[noreturn]] void throw_variable_mismatch(const TG& tg, std::size_t i) {
+  using V = variable_t<TG>;
+  using E = entry_t<TG>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  auto same = [&](std::size_t a, std::size_t b) {
+    return with_entry(tg, a, i, [&](const E& ea) {
+      return with_entry(tg, b, i, [&](const E& eb) {
+        return static_cast<bool>(
+            variable_traits<V>::same(entry_traits<E>::variable(ea), entry_traits<E>::variable(eb)));
+      });
+    });
+  };
+  std::size_t common = 0, common_count = 0;
+  for (std::size_t a = 0; a < tower_count; ++a) {
+    std::size_t count = 0;
+    for (std::size_t b = 0; b < tower_count; ++b) count += same(a, b) ? 1 : 0;
+    if (count > common_count) common = a, common_count = count;
+  }
+  constexpr std::size_t max_listed = 16;
+  std::size_t odd_towers[max_listed]{}, common_towers[max_listed]{};
+  std::size_t odd_listed = 0, common_listed = 0;
+  for (std::size_t k = 0; k < tower_count; ++k) {
+    if (same(common, k)) {
+      if (common_listed < max_listed) common_towers[common_listed++] = k;
+    } else if (odd_listed < max_listed) {
+      odd_towers[odd_listed++] = k;
+    }
+  }
+  const std::size_t odd_count = tower_count - common_count;
+  auto value_at = [&](std::size_t k) {
+    return with_entry(tg, k, i, [](const E& e) { return describe_value(entry_traits<E>::variable(e)); });
+  };
+  const std::string odd_value = value_at(odd_towers[0]), common_value = value_at(common);
+  const std::string name =
+      with_entry(tg, common, i, [i](const E& e) { return describe_variable(i, entry_traits<E>::variable(e)); });
+  throw variable_mismatch_error(
+      name + ": tower" + (odd_count > 1 ? "s " : " ") + describe_towers(odd_towers, odd_listed, odd_count) +
+          (odd_count > 1 ? " have" : " has") + " variable " + odd_value + " at this position but tower" +
+          (common_count > 1 ? "s " : " ") + describe_towers(common_towers, common_listed, common_count) +
+          (common_count > 1 ? " have " : " has ") + common_value +
+          (odd_value == common_value ? " (printed alike, but not the same by variable_traits::same)" : "") +
+          "; every tower must list the same variables in the same order",
+      i);
+}
+
 /// Throws the first of variable_mismatch_error, missing_gradient_error, shape_error that
 /// variable i has, in that order of precedence.
 template <class TG>
@@ -315,20 +364,14 @@ void validate_variable(const TG& tg, std::size_t i) {
   using E = entry_t<TG>;
   const std::size_t tower_count = std::ranges::size(tg);
   if constexpr (comparable_variable<V>) {
+    bool all_same = true;
     with_entry(tg, 0, i, [&](const E& e0) {
       auto&& v0 = entry_traits<E>::variable(e0);
-      for (std::size_t k = 1; k < tower_count; ++k) {
-        with_entry(tg, k, i, [&](const E& ek) {
-          auto&& vk = entry_traits<E>::variable(ek);
-          if (!variable_traits<V>::same(v0, vk))
-            throw variable_mismatch_error(describe_variable(i, v0) + ": tower " + std::to_string(k) +
-                                              " has variable " + describe_value(vk) + " at this position but tower 0 "
-                                              "has " + describe_value(v0) + "; every tower must list the same "
-                                              "variables in the same order",
-                                          i);
-        });
-      }
+      for (std::size_t k = 1; k < tower_count && all_same; ++k)
+        with_entry(tg, k, i,
+                   [&](const E& ek) { all_same = variable_traits<V>::same(v0, entry_traits<E>::variable(ek)); });
     });
+    if (!all_same) throw_variable_mismatch(tg, i);
   }
 
   std::size_t present = 0;
@@ -336,16 +379,23 @@ void validate_variable(const TG& tg, std::size_t i) {
   if (present == 0) return;  // skipped: absent on every tower
   if (present != tower_count) {
     constexpr std::size_t max_listed = 16;
-    std::size_t listed[max_listed]{};
-    std::size_t count = 0;
-    for (std::size_t k = 0; k < tower_count && count < max_listed; ++k)
-      if (!read_gradient(tg, k, i).present) listed[count++] = k;
-    const std::string missing = describe_towers(listed, count, tower_count - present);
-    throw missing_gradient_error(describe_variable_at(tg, i) + ": gradient missing on tower" +
-                                     (tower_count - present > 1 ? "s " : " ") + missing + " of " +
-                                     std::to_string(tower_count) + " but present on " + std::to_string(present) +
-                                     "; a gradient must be present on every tower or on none",
-                                 i);
+    std::size_t absent_towers[max_listed]{}, present_towers[max_listed]{};
+    std::size_t absent_listed = 0, present_listed = 0;
+    for (std::size_t k = 0; k < tower_count; ++k) {
+      if (read_gradient(tg, k, i).present) {
+        if (present_listed < max_listed) present_towers[present_listed++] = k;
+      } else if (absent_listed < max_listed) {
+        absent_towers[absent_listed++] = k;
+      }
+    }
+    const std::size_t absent = tower_count - present;
+    throw missing_gradient_error(
+        describe_variable_at(tg, i) + ": gradient missing on tower" + (absent > 1 ? "s " : " ") +
+            describe_towers(absent_towers, absent_listed, absent) + " but present on tower" +
+            (present > 1 ? "s " : " ") + describe_towers(present_towers, present_listed, present) + " (" +
+            std::to_string(present) + " of " +
+            std::to_string(tower_count) + " towers); a gradient must be present on every tower or on none",
+        i);
   }
 
   const shape s0 = read_gradient(tg, 0, i).dims;
@@ -462,6 +512,11 @@ inline std::string describe_number(double x) {
 /// Checks the options of the fused step against T towers and V variables (option_error,
 /// weight_error), before anything is written. accumulator_max: the largest finite value of the
 /// accumulator type, which the scale, every weight and the weights' sum are converted to.
+/// How many towers weigh more than 0 (summary::weighted_towers).
+inline std::size_t positive_weights(std::span<const double> weights) noexcept {
+  return static_cast<std::size_t>(std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
+}
+
 inline void validate_options(const options& opts, std::size_t towers, std::size_t variables,
                              double accumulator_max) {
   if (!opts.weights.empty()) {
