@@ -1,31 +1,40 @@
 // gradavg::mpi: the same averaging across processes, through the MPI C API (target gradavg::mpi).
 //
-// Every rank passes its local towers (ranks may hold different numbers of towers) and receives
-// the mean over all towers of all ranks, and the mean of squares, weights, scale, non-finite
-// detection and statistics with the same meaning as in one process (options.hpp); options.weights
-// holds the weights of the rank's own towers. The call is collective over comm: every rank of comm
-// calls it with the same options (a disagreement is an error, see below).
+// Every rank passes its local towers (at least one; ranks may hold different numbers) and
+// receives the mean over all towers of all ranks, and the mean of squares, weights, scale,
+// non-finite detection and statistics with the same meaning as in one process (options.hpp);
+// options.weights holds the weights of the rank's own towers (their sum positive on every rank).
+// The call is collective over comm: every rank of comm calls it with the same options (a
+// disagreement is an error, see below). comm: an intra-communicator of an initialised, not yet
+// finalised MPI (else mpi_error on the rank that passes it). Every MPI call is made on the calling
+// thread; worker threads (options.threads, options.pool) run only the kernel, so MPI needs
+// MPI_THREAD_FUNNELED when they are used and the caller is MPI's main thread, MPI_THREAD_SERIALIZED
+// when another thread calls. An MPI call that returns an error code (a communicator whose handler
+// returns them) is an mpi_error.
 //
-// Agreement, before any gradient moves: each rank validates its own towers and outputs exactly as
-// the one-process call does, then two small collectives over metadata (a fixed header per rank,
-// then O(V) integers reduced with MPI_MAX: per variable its presence state and fingerprints of its
-// shape and, where the variable type is a string or arithmetic type, of its identity; variables of
-// other types are compared by shape and presence only) decide identically on every rank which
-// variables are skipped (absent on every tower of every rank) and which error every rank throws:
-//   - a rank's own validation failed: that rank throws its own error, every other rank a
-//     remote_error naming it;
-//   - ranks disagree on the variable count, the options or the element types: tower_error /
-//     option_error naming the ranks;
-//   - per variable, in order: a different variable at that position (variable_mismatch_error),
-//     a gradient absent on some towers of some ranks only (missing_gradient_error naming ranks and
-//     towers), a different shape between ranks (shape_error naming ranks and shapes).
-// No rank enters a collective another rank skips, and nothing is written on any rank after an
-// error.
-// An exception from user code while a rank's kernel runs (its executor, say: after validation)
-// does not leave the other ranks waiting: that rank sends zeros in its place from then on, every
-// rank completes the exchange, and a last one-integer collective tells each one; the rank
-// rethrows its exception, every other rank throws remote_error naming it. Outputs are then
-// partly written on every rank (as in one process after such an exception).
+// The call, in phases, so that no rank waits in a collective another rank has left:
+//   - Local: each rank validates its towers and outputs exactly as the one-process call does,
+//     then reads every pointer it will use into tables and sizes its buffers. Every tensor_traits
+//     call (two per gradient: validation, then the tables) and every allocation of the call
+//     happens here.
+//   - Collective 1 (one integer, on the stack): the lowest rank whose local phase threw; that
+//     rank rethrows its own exception (a gradavg::error, std::bad_alloc, or user code's own),
+//     every other rank throws remote_error naming it. Nothing written anywhere.
+//   - Collectives 2 and 3 (a fixed header per rank; then O(V) integers reduced with MPI_MAX: per
+//     variable its presence state and fingerprints of its shape and, where the variable type is a
+//     string or arithmetic type, of its identity; variables of other types are compared by shape
+//     and presence only) decide identically on every rank which variables are skipped (absent on
+//     every tower of every rank) and which error every rank throws: ranks that disagree on the
+//     variable count, the options or the element types: tower_error / option_error naming them;
+//     per variable, in order: a different variable at that position (variable_mismatch_error), a
+//     gradient absent on some towers of some ranks only (missing_gradient_error naming ranks and
+//     towers), a different shape between ranks (shape_error naming ranks and shapes). Nothing
+//     written anywhere.
+//   - The data path reads the tables only. Its one source of exceptions is user code running the
+//     kernel (the executor): that rank sends zeros in its place from then on, every rank completes
+//     the exchange, and collective 4 (one integer) tells each one; the rank rethrows its
+//     exception, every other rank throws remote_error naming it. Outputs are then partly written
+//     on every rank (as in one process after such an exception).
 //
 // Data path: the flat element range of all averaged variables (options.range, as in one process)
 // is cut into buckets of options.fusion_bytes. Each rank's kernel sums its towers straight into a
@@ -41,11 +50,13 @@
 // picks. Against the one-process call over the same towers: the means bitwise the same with one
 // tower per rank and unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of
 // the mean, as in one process); the squares within the same bound (one process fuses each
-// tower's square into the running sum, each rank rounds its own sum of squares). The statistics are summed element by element in double (not bitwise those of one
-// process). With accumulation::double_precision, float gradients are summed in float within a
-// rank, and across ranks and divided in double.
+// tower's square into the running sum, each rank rounds its own sum of squares). The statistics
+// are summed in double, one running sum per variable in element order, so they are bitwise the
+// same for every fusion_bytes (not bitwise those of one process). With
+// accumulation::double_precision, float gradients are summed in float within a rank, and across
+// ranks and divided in double.
 //
-// Memory: a workspace (3 sets of fusion buffers, 2 * fusion_bytes each at most, and O(V + T)
+// Memory: a workspace (3 sets of fusion buffers, 2 * fusion_bytes each at most, and O(V + T + P)
 // tables) held by options.work and reused, so that calls with the same layout allocate nothing;
 // without one, each call allocates its own.
 #pragma once
@@ -83,6 +94,12 @@ class remote_error : public error {
   using error::error;
 };
 
+/// MPI cannot take the call (not initialised, finalised, a null or an inter-communicator), or an
+/// MPI call returned an error code (a communicator whose error handler returns them).
+class mpi_error : public error {
+  using error::error;
+};
+
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace mpi {
 
@@ -90,9 +107,8 @@ namespace mpi {
 /// options.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB, or
 /// 256 KiB per rank where that is more (every rank owns a slice of each bucket: slices of at
 /// least 256 KiB keep a message's latency small against its transfer), at most 16 MiB (Open MPI
-/// 4.1 maps and unmaps temporaries for larger messages). Measured at np = 2 (bench/README.md):
-/// 1 MiB buckets stay in cache between the kernel, the exchange and the unpack; 16 MiB ones
-/// took 1.2-1.4x as long.
+/// 4.1 maps and unmaps temporaries for larger messages). Small buckets stay in cache between the
+/// kernel, the exchange and the unpack (gradavg_bench_mpi measures the choice).
 constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
   const std::size_t per_rank = (std::size_t{256} << 10) * static_cast<std::size_t>(ranks > 0 ? ranks : 1);
   return std::min(std::max(std::size_t{1} << 20, per_rank), std::size_t{16} << 20);
@@ -135,14 +151,42 @@ using gradavg::detail::describe_shape;
 using gradavg::detail::describe_towers;
 using gradavg::detail::describe_variable_at;
 
+/// Throws mpi_error naming the MPI function and MPI's own words for the code, unless rc is
+/// MPI_SUCCESS.
+inline void check(int rc, const char* function) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
+  throw mpi_error("gradavg::mpi: " + std::string(function) + " returned error " + std::to_string(rc) +
+                  (length > 0 ? " (" + std::string(text, static_cast<std::size_t>(length)) + ")" : std::string()));
+}
+
+/// What can be checked before a collective call: MPI initialised and not finalised, comm neither
+/// MPI_COMM_NULL nor an inter-communicator (mpi_error). Every rank that passes such a comm throws.
+inline void check_communicator(MPI_Comm comm) {
+  int initialized = 0, finalized = 0;
+  check(MPI_Initialized(&initialized), "MPI_Initialized");
+  check(MPI_Finalized(&finalized), "MPI_Finalized");
+  if (!initialized)
+    throw mpi_error("gradavg::mpi: MPI is not initialised; call MPI_Init (or MPI_Init_thread) first");
+  if (finalized) throw mpi_error("gradavg::mpi: MPI is finalised; no MPI call can be made after MPI_Finalize");
+  if (comm == MPI_COMM_NULL) throw mpi_error("gradavg::mpi: the communicator is MPI_COMM_NULL");
+  int inter = 0;
+  check(MPI_Comm_test_inter(comm, &inter), "MPI_Comm_test_inter");
+  if (inter)
+    throw mpi_error("gradavg::mpi: the communicator is an inter-communicator; pass an intra-communicator "
+                    "(MPI_Intercomm_merge makes one)");
+}
+
 inline int comm_rank(MPI_Comm comm) {
   int r = 0;
-  MPI_Comm_rank(comm, &r);
+  check(MPI_Comm_rank(comm, &r), "MPI_Comm_rank");
   return r;
 }
 inline int comm_size(MPI_Comm comm) {
   int n = 0;
-  MPI_Comm_size(comm, &n);
+  check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
   return n;
 }
 
@@ -186,8 +230,6 @@ constexpr std::uint64_t type_code() noexcept {
 
 /// The fixed header every rank contributes to the first collective.
 enum header_field : std::size_t {
-  h_error,           // 1: this rank's own validation failed
-  h_error_variable,  // the variable it named (error::npos when none)
   h_towers,
   h_variables,
   h_squares,    // squares outputs passed
@@ -297,14 +339,24 @@ struct call {
   workspace& work;
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
+  // The first MPI call of the data path that returned an error: thrown after the last collective
+  // (throwing at once would leave the other ranks waiting for this rank's messages).
+  const char* failed_mpi_call = nullptr;
+  int failed_mpi_code = MPI_SUCCESS;
+  void note(int rc, const char* function) noexcept {
+    if (rc != MPI_SUCCESS && failed_mpi_call == nullptr) failed_mpi_call = function, failed_mpi_code = rc;
+  }
 
   // ---- Agreement. ----
 
-  /// This rank's header and per-variable words (presence, fingerprints) into work.words:
-  /// [header of every rank (P * header_words)] [variable words (V * variable_words)].
-  std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header) {
-    header[h_error] = 0;
-    header[h_error_variable] = error::npos;
+  /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
+  /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
+  /// [variable words (V * variable_words)] [their reduction] [sizes, offsets (2V)]
+  /// [error records (P + 1) * record_words]: sized here, so that no collective of the call needs
+  /// an allocation. The failure, if any: this rank's own error, with the variable it names in
+  /// *failed_variable (error::npos when none).
+  std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header, std::size_t* failed_variable) {
+    *failed_variable = error::npos;
     header[h_towers] = std::ranges::size(tg);
     header[h_variables] = 0;
     header[h_squares] = with_squares;
@@ -331,8 +383,8 @@ struct call {
         towers = std::ranges::size(tg);
         variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
         header[h_variables] = variables;
-        // [headers of every rank][this rank's variable words][their reduction][sizes, offsets]
-        work.words.resize(static_cast<std::size_t>(ranks) * header_words + variables * (2 * variable_words + 2));
+        const std::size_t P = static_cast<std::size_t>(ranks);
+        work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
         if (opts.fusion_bytes != 0 && (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
@@ -368,36 +420,26 @@ struct call {
         // A rank that reads no gradient moves no data: its element types (run-time ones are only
         // known from a gradient) are not compared; the presence check decides.
         if (!any_present) header[h_types] = 0;
+        prepare();
       } catch (const error& e) {
         failure = std::current_exception();
-        header[h_error_variable] = e.variable_index();
+        *failed_variable = e.variable_index();
       } catch (...) {
         failure = std::current_exception();
       }
     }
-    if (failure) header[h_error] = 1;
     return failure;
   }
 
-  /// Throws the error every rank agrees on from the gathered headers, if any.
-  void agree_on_headers(const std::uint64_t* all, std::exception_ptr own) const {
+  /// Throws the error every rank agrees on from the gathered headers, if any. Allocates nothing
+  /// unless ranks disagree (then every rank throws).
+  void agree_on_headers(const std::uint64_t* all) const {
     auto field = [&](int r, header_field f) { return all[static_cast<std::size_t>(r) * header_words + f]; };
-    std::vector<int> failed;
-    for (int r = 0; r < ranks; ++r)
-      if (field(r, h_error)) failed.push_back(r);
-    if (!failed.empty()) {
-      if (own) std::rethrow_exception(own);
-      const std::uint64_t var = field(failed.front(), h_error_variable);
-      throw remote_error("gradavg::mpi: the inputs of " + rank_list(failed) + " were rejected by " +
-                             (failed.size() > 1 ? "their" : "its") + " own validation (" +
-                             (var == error::npos ? std::string("see the error thrown there")
-                                                 : "about variable #" + std::to_string(var) + "; see the error thrown there") +
-                             "); nothing was averaged on any rank",
-                         static_cast<std::size_t>(var));
-    }
     auto every_rank = [](int) { return true; };
     auto split_on = [&](header_field f) {
-      return split_ranks(ranks, [&](int r) { return field(r, f); }, every_rank);
+      for (int r = 1; r < ranks; ++r)
+        if (field(r, f) != field(0, f)) return split_ranks(ranks, [&](int q) { return field(q, f); }, every_rank);
+      return rank_split{};
     };
     if (const rank_split d = split_on(h_variables); !d.odd.empty())
       throw tower_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "holds", "hold") + " " +
@@ -411,8 +453,14 @@ struct call {
     };
     {
       // Among the ranks that read a gradient (a rank whose variables are all skipped reads none).
-      const rank_split d = split_ranks(
-          ranks, [&](int r) { return field(r, h_types); }, [&](int r) { return field(r, h_types) != 0; });
+      auto reads = [&](int r) { return field(r, h_types) != 0; };
+      bool differ = false;
+      for (int r = 0, first = -1; r < ranks && !differ; ++r)
+        if (reads(r)) {
+          if (first < 0) first = r;
+          differ = field(r, h_types) != field(first, h_types);
+        }
+      const rank_split d = differ ? split_ranks(ranks, [&](int r) { return field(r, h_types); }, reads) : rank_split{};
       if (!d.odd.empty())
         throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes ", "pass ") +
                            types_of(field(d.odd.front(), h_types)) + " but " + rank_list(d.common) + " " +
@@ -446,16 +494,26 @@ struct call {
 
   /// Gathers every rank's record of variable i and throws the error of kind `how`.
   [[noreturn]] void throw_variable_error(std::size_t i, int how) {
-    std::vector<std::uint64_t> mine(record_words, 0), all(record_words * static_cast<std::size_t>(ranks));
+    // This rank's record, then every rank's, in the space local_checks reserved: the gather
+    // allocates nothing, and an exception from tensor_traits here is rethrown only after it.
+    std::uint64_t* const mine = work.words.data() + static_cast<std::size_t>(ranks) * header_words +
+                                variables * (2 * variable_words + 2);
+    std::uint64_t* const all = mine + record_words;
+    std::fill(mine, mine + record_words, std::uint64_t{0});
     std::size_t present = 0, listed = 0;
     shape s{};
-    for (std::size_t k = 0; k < towers; ++k) {
-      const auto g = gradavg::detail::read_gradient(tg, k, i);
-      if (g.present) {
-        if (present++ == 0) s = g.dims;
-      } else if (listed < r_missing_listed - r_missing) {
-        mine[r_missing + listed++] = k;
+    std::exception_ptr reading;
+    try {
+      for (std::size_t k = 0; k < towers; ++k) {
+        const auto g = gradavg::detail::read_gradient(tg, k, i);
+        if (g.present) {
+          if (present++ == 0) s = g.dims;
+        } else if (listed < r_missing_listed - r_missing) {
+          mine[r_missing + listed++] = k;
+        }
       }
+    } catch (...) {
+      reading = std::current_exception();
     }
     const std::uint64_t* own = work.words.data() + ranks * header_words + i * variable_words;
     mine[r_state] = own[v_state];
@@ -466,8 +524,9 @@ struct call {
     mine[r_rank_dims] = s.rank;
     for (std::size_t d = 0; d < s.rank; ++d) mine[r_rank_dims + 1 + d] = static_cast<std::uint64_t>(s.dims[d]);
     mine[r_rank_dims + 1 + shape::max_rank] = static_cast<std::uint64_t>(s.order);
-    MPI_Allgather(mine.data(), record_words, MPI_UINT64_T, all.data(), record_words, MPI_UINT64_T, comm);
-    auto rec = [&](int r) { return all.data() + static_cast<std::size_t>(r) * record_words; };
+    check(MPI_Allgather(mine, record_words, MPI_UINT64_T, all, record_words, MPI_UINT64_T, comm), "MPI_Allgather");
+    if (reading) std::rethrow_exception(reading);
+    auto rec = [&](int r) { return all + static_cast<std::size_t>(r) * record_words; };
     auto shape_of = [&](int r) {
       shape t{};
       t.rank = rec(r)[r_rank_dims];
@@ -536,10 +595,82 @@ struct call {
     int pending = 0;                  // requests in use
   };
 
+  // ---- Preparation: every table and buffer the data path uses, before any collective. ----
+
+  /// Bucket geometry and the buffers behind it (prepare()).
+  std::size_t total = 0;            // elements of the variables present on every local tower
+  std::size_t range_begin = 0, range_end = 0;
+  std::size_t bucket_elements = 0, buckets = 0;
+  bucket_set set[3] = {};
+
+  bool squares_in_buffer() const noexcept { return with_squares || opts.statistics; }
+  bool detect() const noexcept { return opts.on_nonfinite != nonfinite_policy::ignore; }
+
+  /// This rank's tables (tower pointers, outputs, sizes and offsets, per-variable sums) and fusion
+  /// buffers, from its own towers: a variable present on every local tower is taken as averaged
+  /// (agreement throws before the data path where that is not so on every rank). Every
+  /// tensor_traits call and every allocation of the call after validation happens here, before
+  /// the first collective, so that a failure here reaches every rank through it.
+  void prepare() {
+    work.towers.resize(variables * towers);
+    work.outputs.resize(2 * variables);
+    work.sums.resize(3 * variables);
+    std::uint64_t* const sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
+    total = 0;
+    for (std::size_t i = 0; i < variables; ++i) {
+      std::size_t size = 0;
+      bool everywhere = towers != 0;
+      for (std::size_t k = 0; k < towers && everywhere; ++k) {
+        const auto g = gradavg::detail::read_gradient<TG, S>(tg, k, i);
+        everywhere = g.present;
+        work.towers[i * towers + k] = g.data;
+        size = g.dims.size();
+      }
+      if (everywhere) {
+        work.outputs[2 * i] = gradavg::detail::read_output<Means, O>(means, i).data;
+        if constexpr (with_squares)
+          work.outputs[2 * i + 1] = gradavg::detail::read_output<Squares, O>(*squares, i).data;
+        else work.outputs[2 * i + 1] = nullptr;
+      } else {
+        size = 0;
+      }
+      sizes[2 * i] = size;
+      sizes[2 * i + 1] = total;
+      total += size;
+      work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
+    }
+    range_begin = std::min(opts.range.begin, total);
+    range_end = std::min(opts.range.end, total);
+    buckets = 0;
+    if (range_begin >= range_end) return;
+
+    // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
+    const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
+    const std::size_t fusion_bytes = opts.fusion_bytes != 0 ? opts.fusion_bytes : mpi::automatic_fusion_bytes(ranks);
+    bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
+    const std::size_t n = range_end - range_begin;
+    buckets = (n + bucket_elements - 1) / bucket_elements;
+    // Most variables one bucket can touch: bounded by its elements and by the variable count.
+    const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
+    const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
+    const std::size_t max_slice = (max_len + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+    const std::size_t sets = std::min<std::size_t>(3, buckets);
+    const std::size_t set_elements = max_len + max_slice * static_cast<std::size_t>(ranks);
+    work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
+    Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
+    const std::size_t P = static_cast<std::size_t>(ranks);
+    work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
+    for (std::size_t s = 0; s < sets; ++s)
+      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P, 0};
+  }
+
+  // ---- The data path, after agreement: tables and buffers only, no tensor_traits call and no
+  // allocation. Its one source of exceptions, the executor (user code) running the kernel, is
+  // answered by zeros in this rank's place and the last collective. ----
+
   template <class Acc>
   summary run() {
     const std::uint64_t* headers = work.words.data();
-    // Agreed sizes: variables present everywhere contribute tower 0's element count.
     std::size_t total_towers = 0, weighted_towers = 0;
     double weight_sum = 0;
     for (int r = 0; r < ranks; ++r) {
@@ -547,47 +678,20 @@ struct call {
       weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
       weight_sum += bits_to_double(headers[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
     }
-    const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
-    const bool squares_in_buffer = with_squares || opts.statistics;
-    const bool detect = opts.on_nonfinite != nonfinite_policy::ignore;
+    const bool squares_in_buffer = this->squares_in_buffer();
+    const bool detect = this->detect();
     const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
 
-    // Tables: tower pointers (V * T), outputs (2V), sizes and offsets (2V words), per-variable
-    // sums and flags (3V doubles).
-    work.towers.resize(variables * towers);
-    work.outputs.resize(2 * variables);
-    work.sums.resize(3 * variables);
-    std::size_t averaged = 0, skipped = 0, total = 0;
-    std::uint64_t* const sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
-    for (std::size_t i = 0; i < variables; ++i) {
-      std::size_t size = 0;
-      if (reduced[i * variable_words + v_state] == present_everywhere) {
-        ++averaged;
-        for (std::size_t k = 0; k < towers; ++k) {
-          const auto g = gradavg::detail::read_gradient<TG, S>(tg, k, i);
-          work.towers[i * towers + k] = g.data;
-          size = g.dims.size();
-        }
-        work.outputs[2 * i] = gradavg::detail::read_output<Means, O>(means, i).data;
-        if constexpr (with_squares)
-          work.outputs[2 * i + 1] = gradavg::detail::read_output<Squares, O>(*squares, i).data;
-        else work.outputs[2 * i + 1] = nullptr;
-      } else {
-        ++skipped;
-      }
-      sizes[2 * i] = size;
-      sizes[2 * i + 1] = total;
-      total += size;
-      work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
-    }
-    const std::uint64_t* size_offset = sizes;
+    const std::uint64_t* const size_offset = work.words.data() + ranks * header_words + 2 * variables * variable_words;
     auto size_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i]); };
     auto offset_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i + 1]); };
+    const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
+    std::size_t averaged = 0;
+    for (std::size_t i = 0; i < variables; ++i)
+      averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
 
-    const std::size_t range_begin = std::min(opts.range.begin, total);
-    const std::size_t range_end = std::min(opts.range.end, total);
     summary result;
-    result.skipped = skipped;
+    result.skipped = variables - averaged;
     result.towers = total_towers;
     result.weighted_towers = weighted_towers;
     result.statistics = opts.statistics;
@@ -602,27 +706,12 @@ struct call {
                                ? 1
                                : 0;
     }
-    if (range_begin >= range_end) return result;
-
-    // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
+    if (range_begin >= range_end) {
+      if (opts.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
+      return result;
+    }
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer ? 2 : 1);
-    const std::size_t fusion_bytes = opts.fusion_bytes != 0 ? opts.fusion_bytes : mpi::automatic_fusion_bytes(ranks);
-    const std::size_t bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
-    const std::size_t n = range_end - range_begin;
-    const std::size_t buckets = (n + bucket_elements - 1) / bucket_elements;
-    // Most variables one bucket can touch: bounded by its elements and by the variable count.
-    const std::size_t max_flags = detect ? std::min(variables, bucket_elements) + 1 : 0;
-    const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer ? 2 : 1) + max_flags;
-    const std::size_t max_slice = (max_len + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
     const std::size_t sets = std::min<std::size_t>(3, buckets);
-    const std::size_t set_elements = max_len + max_slice * static_cast<std::size_t>(ranks);
-    work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
-    Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
-    const std::size_t P = static_cast<std::size_t>(ranks);
-    work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
-    bucket_set set[3];
-    for (std::size_t s = 0; s < sets; ++s)
-      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P, 0};
 
     struct bucket_shape {
       std::size_t begin, end;       // flat
@@ -651,7 +740,8 @@ struct call {
     auto progress = [&]() {
       for (std::size_t s = 0; s < sets; ++s) {
         int done = 0;
-        if (set[s].pending != 0) MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE);
+        if (set[s].pending != 0)
+          note(MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
       }
     };
 
@@ -716,7 +806,7 @@ struct call {
     // allgatherv copy this rank's own slice through temporaries (measured: 1.6x the time of an
     // allreduce of the same bytes, against 1.1x for these messages).
     auto wait_all = [&](bucket_set& bs) {
-      if (bs.pending != 0) MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE);
+      if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
       bs.pending = 0;
     };
     auto bytes_of = [](std::size_t elements) { return static_cast<int>(elements * sizeof(Buf)); };
@@ -726,14 +816,16 @@ struct call {
       bs.pending = 0;
       for (int r = 0, slot = 0; r < ranks; ++r) {
         if (r == rank) continue;
-        MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag, comm,
-                  &bs.requests[bs.pending++]);
+        note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
+                       comm, &bs.requests[bs.pending++]),
+             "MPI_Irecv");
       }
       for (int r = 0; r < ranks; ++r) {
         if (r == rank) continue;
         const std::size_t first = slice_begin(sh.len, r);
-        MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag, comm,
-                  &bs.requests[bs.pending++]);
+        note(MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag,
+                       comm, &bs.requests[bs.pending++]),
+             "MPI_Isend");
       }
     };
     // Waits for the contributions, sums them in rank order into this rank's slice of the buffer
@@ -764,11 +856,13 @@ struct call {
       for (int r = 0; r < ranks; ++r) {
         if (r == rank) continue;
         const std::size_t at = slice_begin(sh.len, r);
-        MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
-                  &bs.requests[bs.pending++]);
+        note(MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
+                       &bs.requests[bs.pending++]),
+             "MPI_Irecv");
       }
       for (int r = 0; r < ranks; ++r)
-        if (r != rank) MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]);
+        if (r != rank)
+          note(MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]), "MPI_Isend");
     };
 
     const Acc divisor = static_cast<Acc>(weight_sum);
@@ -842,16 +936,18 @@ struct call {
         };
         divide_into(sums + at, m);
         if (q) divide_into(sq + at, q);
-        if (opts.statistics) {  // from the values in Acc, before any rounding to O
-          double mean_squared = 0, mean_of_squares = 0;
+        if (opts.statistics) {
+          // From the values in Acc, before any rounding to O; one running sum per variable in
+          // element order, carried across buckets: the same bits whatever the bucket size.
+          double mean_squared = acc[0], mean_of_squares = acc[1];
           for (std::size_t j = 0; j < len; ++j) {
             const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
             const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
             mean_squared += mean * mean;
             mean_of_squares += square;
           }
-          acc[0] += mean_squared;
-          acc[1] += mean_of_squares;
+          acc[0] = mean_squared;
+          acc[1] = mean_of_squares;
         }
         if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
         if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
@@ -886,7 +982,8 @@ struct call {
     }
     // The last collective: the lowest rank whose kernel failed, if any.
     int failed_rank = failure ? rank : ranks;
-    MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm);
+    check(MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
+    if (failed_mpi_call != nullptr) check(failed_mpi_code, failed_mpi_call);
     if (failure) std::rethrow_exception(failure);
     if (failed_rank < ranks)
       throw remote_error("gradavg::mpi: rank " + std::to_string(failed_rank) +
@@ -900,21 +997,49 @@ struct call {
     return result;
   }
 
+  /// The call, in phases: local (validation, tables, buffers: everything that can throw before
+  /// the data moves), then four collectives every rank enters whatever happened before each:
+  ///   1. one word, MPI_MIN: the lowest rank whose local phase failed (and its variable); on the
+  ///      stack, so that a failed allocation cannot keep a rank out of it;
+  ///   2. the headers (MPI_Allgather): options, counts and element types agree;
+  ///   3. the per-variable words (MPI_Allreduce, MPI_MAX): presence, shapes, identities agree;
+  ///   4. after the data path, one word: the lowest rank whose kernel (executor) threw.
+  /// Between 1 and 4 nothing allocates or calls tensor_traits unless every rank throws after the
+  /// same collective.
   summary operator()(std::exception_ptr prior) {
     rank = comm_rank(comm);
     ranks = comm_size(comm);
-    const std::size_t header_bytes = static_cast<std::size_t>(ranks) * header_words;
-    if (work.words.size() < header_bytes) work.words.resize(header_bytes);
     std::uint64_t header[header_words];
-    const std::exception_ptr own = local_checks(prior, header);
-    // Collective 1: every rank's header. After it, every rank holds the same variable count
-    // (or throws), and work.words room for the variable words.
-    MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm);
-    agree_on_headers(work.words.data(), own);
-    // Collective 2: per-variable presence and fingerprints, maximum and minimum over ranks.
+    std::size_t failed_variable = error::npos;
+    const std::exception_ptr own = local_checks(prior, header, &failed_variable);
+    // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones.
+    constexpr std::uint64_t none = ~std::uint64_t{0};
+    std::uint64_t first_failure =
+        own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none;
+    check(MPI_Allreduce(MPI_IN_PLACE, &first_failure, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    if (own) std::rethrow_exception(own);
+    if (first_failure != none) {
+      const std::uint64_t var = first_failure & 0xffffffffu;
+      const std::size_t variable = var == 0xffffffffu ? error::npos : static_cast<std::size_t>(var);
+      throw remote_error("gradavg::mpi: rank " + std::to_string(first_failure >> 32) +
+                             " failed its own checks before any data moved (" +
+                             (variable == error::npos ? std::string("see the error thrown there")
+                                                      : "about variable #" + std::to_string(variable) +
+                                                            "; see the error thrown there") +
+                             "); nothing was averaged or written on any rank",
+                         variable);
+    }
+    // Collective 2: every rank's header. After it, every rank holds the same variable count
+    // (or throws).
+    const std::size_t header_bytes = static_cast<std::size_t>(ranks) * header_words;
+    check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
+          "MPI_Allgather");
+    agree_on_headers(work.words.data());
+    // Collective 3: per-variable presence and fingerprints, maximum and minimum over ranks.
     const std::size_t vw = variables * variable_words;
     std::uint64_t* local = work.words.data() + header_bytes;
-    if (vw != 0) MPI_Allreduce(local, local + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm);
+    if (vw != 0)
+      check(MPI_Allreduce(local, local + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
     if (const auto [i, how] = first_disagreement(local + vw, variables); how != 0) throw_variable_error(i, how);
     return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return run<Acc>(); });
   }
@@ -933,6 +1058,7 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
                      std::exception_ptr prior = nullptr) {
   using G = gradavg::detail::gradient_tensor_t<TG>;
   using OT = gradavg::detail::output_tensor_t<Means&>;
+  check_communicator(comm);
   static_assert(gradavg::detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
   static_assert(dynamic_tensor<G> || gradavg::detail::supported_scalar<tensor_value_t<G>>,
                 "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
