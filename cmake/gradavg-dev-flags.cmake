@@ -50,8 +50,8 @@ endif()
 
 # The kernel compiled once per build tree, for the tests and examples built with
 # gradavg_dev_flags: they link it instead of compiling it themselves (10 to 45 s of each unit's
-# compile at -O2, the most for libtorch's run-time element types), as the README's "Compile time"
-# shows users. Built only when something links it.
+# compile at -O2, the most for libtorch's run-time element types), as docs/building.md ("Compile
+# time") shows users. Built only when something links it.
 file(CONFIGURE OUTPUT "${PROJECT_BINARY_DIR}/gradavg_dev_kernels.cpp"
      CONTENT "// The kernel for the targets that link gradavg_dev_kernels (cmake/gradavg-dev-flags.cmake).\n#include <gradavg/kernels.hpp>\n")
 add_library(gradavg_dev_kernels STATIC EXCLUDE_FROM_ALL "${PROJECT_BINARY_DIR}/gradavg_dev_kernels.cpp")

@@ -1,5 +1,5 @@
 // average_gradients_into allocates nothing on the calling thread nor on a pool's threads, with
-// threads = 1 or with a pool (README: "What allocates"). Global operator new is replaced here by
+// threads = 1 or with a pool (docs/threads.md: "What allocates"). Global operator new is replaced here by
 // one that counts, in every thread, while a window is open.
 #include <gradavg/eigen_thread_pool.hpp>
 #include <gradavg/gradavg.hpp>
@@ -71,7 +71,7 @@ TEST_CASE("the counter sees allocations on any thread") {
         }) == 1);
   const gradavg_test::workload w(4, {300000});  // 7.2 MB, worth 6 chunks
   auto means = w.outputs(), squares = w.outputs();
-  // Threads started for the call allocate (README: "What allocates").
+  // Threads started for the call allocate (docs/threads.md: "What allocates").
   CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 4}); }) > 0);
 }
 

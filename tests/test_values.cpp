@@ -1,4 +1,4 @@
-// Special values, as the README's "Bad input" table states them: infinities propagate, a sum
+// Special values, as docs/errors.md's "Bad input" table states them: infinities propagate, a sum
 // past the largest finite value overflows to infinity (floats sum floats, in tower order, then
 // divide), squares overflow past sqrt(max), and denormals are kept (no flush to zero, in the
 // default floating-point environment). NaN results are covered by test_kernel.

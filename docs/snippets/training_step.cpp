@@ -53,7 +53,7 @@ gradavg::summary train_step(model& m, std::vector<tower_buffers>& grads, const E
     tower_grads.push_back({{g.w, "w"}, {g.b, "b"}, {std::nullopt, "embedding"}});
 
   // In place: the means overwrite tower 0's gradients. The skipped embedding needs no output.
-  // threads = 0: as many as the pool has (calls this small use one; see the README).
+  // threads = 0: as many as the pool has (calls this small use one; see docs/threads.md).
   mean_outputs means{grads[0].w, grads[0].b, std::nullopt};
   const gradavg::summary done =
       gradavg::average_gradients_into(tower_grads, means, {.threads = 0, .pool = &pool});

@@ -11,9 +11,9 @@
 // A gradient absent on every tower skips the variable (reported, nothing written); absent on some
 // towers only is an error. options add, in the same pass: 16-bit gradients and double
 // accumulation, tower weights, a scale, non-finite detection, statistics (global norm, noise),
-// per-variable results and element ranges (options.hpp, statistics.hpp, README "The training
-// step, fused"). Everything is validated before anything is written: after an
-// exception, the caller's outputs are unchanged.
+// per-variable results and element ranges (options.hpp, statistics.hpp, docs/fused-step.md).
+// Everything is validated before anything is written: after an exception, the caller's outputs
+// are unchanged.
 #pragma once
 
 #include <algorithm>

@@ -1,7 +1,7 @@
 // libFuzzer target: decodes bytes into one call of average_gradients_into and one of
 // average_gradients — towers, shapes, absent gradients, variables, outputs, aliasing layouts and
 // options, every gradient and output in one arena so that overlaps are real — and checks both
-// against a scalar model of the README's contract written here, independently of the library:
+// against a scalar model of the contract in docs/api.md written here, independently of the library:
 //   - either the error the model allows (class and variable index), and then every byte of the
 //     arena unchanged,
 //   - or success with mean = (sum over towers in tower order, in the element type) / T bitwise

@@ -99,12 +99,12 @@ constexpr std::size_t split_granularity() noexcept {
 }
 
 /// Software prefetch: in a large call each whole step asks for every tower's data this many bytes
-/// ahead of the line it loads. With the hardware's prefetchers alone, the 16-bit and fused passes
-/// took up to 1.6x the time of reading their inputs at DRAM size (bench/README).
+/// ahead of the line it loads, so that the 16-bit and fused passes run at the time of reading
+/// their inputs (gradavg_bench_fused, mean.over.read; docs/performance.md).
 inline constexpr std::size_t prefetch_distance = 1024;
 
 /// Calls that move fewer bytes than this (inputs and outputs) do not prefetch: their data may sit
-/// in a cache, where prefetching ahead cost up to a fifth of the time (bench/README).
+/// in a cache, where prefetching ahead costs time instead of saving it.
 inline constexpr std::size_t prefetch_min_bytes = std::size_t{4} << 20;
 
 /// Whether a call over `elements` elements, each moving `bytes_per_element` bytes (every tower's
