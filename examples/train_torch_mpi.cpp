@@ -1,7 +1,7 @@
 // Data-parallel training in libtorch across processes: the MLP of digits_mlp.hpp on
 // scikit-learn's 1,797 handwritten digits. Every rank (a process) holds --replicas clone()d
 // replicas, each computing the gradient of its slice of every batch on its own thread;
-// gradavg::torch::average_module_gradients(MPI_COMM_WORLD, ...) (gradavg/torch_mpi.hpp) averages
+// gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, ...) (gradavg/torch_mpi.hpp) averages
 // the gradients of every replica of every rank into each replica's .grad(), bitwise the same on
 // every rank, and every replica's optimizer takes the same step.
 //
@@ -127,7 +127,7 @@ int run(int argc, char** argv, int rank, int ranks) {
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = gradavg::torch::average_module_gradients(MPI_COMM_WORLD, replicas);
+      const auto report = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, replicas);
       if (!on_every_rank(report.report.averaged == 4)) {
         std::fprintf(stderr, "rank %d: FAILED: %zu parameters averaged, 4 expected\n", rank, report.report.averaged);
         return 1;

@@ -1,7 +1,7 @@
 // Data-parallel training in libtorch with threads as replicas: a small MLP on the 1,797 8x8
 // handwritten digits of scikit-learn's digits.csv (64 pixel values 0..16, then the label), K
 // clone()d replicas, each computing the gradient of its slice of every batch on its own thread;
-// gradavg::torch::average_module_gradients averages them into every replica's .grad() and each
+// gradavg::libtorch::average_module_gradients averages them into every replica's .grad() and each
 // replica's optimizer takes the same step, so the replicas stay identical.
 //
 // Checks, each failing the program (exit 1): the first step's averaged gradient against one
@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = gradavg::torch::average_module_gradients(replicas);
+      const auto report = gradavg::libtorch::average_module_gradients(replicas);
       if (report.report.averaged != 4) {
         std::fprintf(stderr, "FAILED: %zu parameters averaged, 4 expected\n", report.report.averaged);
         return 1;

@@ -19,6 +19,16 @@
 #include "catch.hpp"
 #include "support.hpp"
 
+// `using namespace gradavg;` leaves every later `torch::` naming libtorch's (gradavg's own names
+// are in gradavg::libtorch): this unit would not compile otherwise.
+namespace with_gradavg_in_scope {
+using namespace gradavg;
+inline at::Tensor three_zeros() { return torch::zeros({3}); }
+inline auto mean_of_replicas(std::span<torch::nn::Module* const> replicas) {
+  return libtorch::average_module_gradients(replicas);
+}
+}  // namespace with_gradavg_in_scope
+
 namespace {
 
 using entry = std::pair<at::Tensor, std::string>;
@@ -223,6 +233,19 @@ TEST_CASE("tensors gradavg does not read: its errors, naming the variable and th
   CHECK(all_bitwise_equal(means, before));
 }
 
+TEST_CASE("using namespace gradavg: torch:: is still libtorch's") {
+  CHECK(with_gradavg_in_scope::three_zeros().sum().item<float>() == 0.0f);
+  torch::nn::Linear a(2, 1), b(2, 1);
+  b->weight.data().copy_(a->weight.data());
+  b->bias.data().copy_(a->bias.data());
+  for (auto* m : {a.ptr().get(), b.ptr().get()})
+    for (auto& p : m->parameters()) p.mutable_grad() = torch::ones_like(p) * (m == a.ptr().get() ? 1.0f : 3.0f);
+  std::vector<torch::nn::Module*> replicas{a.ptr().get(), b.ptr().get()};
+  const auto report = with_gradavg_in_scope::mean_of_replicas(replicas);
+  CHECK(report.report.averaged == 2);
+  CHECK(torch::allclose(b->weight.grad(), torch::full_like(b->weight, 2.0f)));
+}
+
 TEST_CASE("parameter tensors as variables: the same TensorImpl on every tower, printed without elements") {
   const at::Tensor w = torch::randn({3}), other = torch::randn({3});
   std::vector<std::vector<std::pair<at::Tensor, at::Tensor>>> tg(2);
@@ -291,7 +314,7 @@ TEST_CASE("module replicas: averaged into replica 0's .grad() in place, copied t
           if (p.value().grad().defined()) tg[k].emplace_back(p.value().grad().clone(), p.key());
       const auto want = span_path<float, float>(tg, {});
 
-      const auto r = gradavg::torch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
+      const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
       CHECK(r.report.averaged == 4);
       CHECK(r.report.towers == k_count);
       CHECK(r.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
@@ -335,7 +358,7 @@ TEST_CASE("module replicas: a module pointer span, and mismatches reported befor
   SECTION("a parameter frozen on one replica only, with gradients elsewhere") {
     replicas[1]->fc2->bias.set_requires_grad(false);
     const auto e = gradavg_test::exception_of<gradavg::missing_gradient_error>(
-        [&] { gradavg::torch::average_module_gradients(std::span<torch::nn::Module* const>(modules)); });
+        [&] { gradavg::libtorch::average_module_gradients(std::span<torch::nn::Module* const>(modules)); });
     CHECK(gradavg_test::contains(e.what(), "variable #3 'fc2.bias': gradient missing on tower 1 but present on tower 0 "
                                            "(1 of 2 towers)"));
     replicas[1]->fc2->bias.set_requires_grad(true);
@@ -344,13 +367,13 @@ TEST_CASE("module replicas: a module pointer span, and mismatches reported befor
     torch::nn::Sequential other(torch::nn::Linear(6, 16), torch::nn::Linear(16, 3), torch::nn::Linear(3, 3));
     modules[1] = other.ptr().get();
     const auto e = gradavg_test::exception_of<gradavg::variable_mismatch_error>(
-        [&] { gradavg::torch::average_module_gradients(std::span<torch::nn::Module* const>(modules)); });
+        [&] { gradavg::libtorch::average_module_gradients(std::span<torch::nn::Module* const>(modules)); });
     CHECK(gradavg_test::contains(e.what(), "variable #0 'fc1.weight': tower 1 has variable '0.weight'"));
     modules[1] = replicas[1].ptr().get();
   }
   SECTION("a null replica") {
     modules[1] = nullptr;
-    CHECK_THROWS_AS(gradavg::torch::average_module_gradients(std::span<torch::nn::Module* const>(modules)),
+    CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(std::span<torch::nn::Module* const>(modules)),
                     gradavg::tower_error);
     modules[1] = replicas[1].ptr().get();
   }

@@ -237,7 +237,7 @@ TEST_CASE("module replicas across ranks: every replica of every rank holds the m
   auto local = local_replicas(all);
   gradavg::mpi::options opts;
   opts.statistics = true;
-  const auto r = gradavg::torch::average_module_gradients(MPI_COMM_WORLD, local, opts);
+  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, opts);
   CHECK(r.report.averaged == 4);
   CHECK(r.report.towers == total_towers());
   CHECK(r.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
@@ -323,9 +323,29 @@ TEST_CASE("a module whose parameters differ on one rank: variable_mismatch_error
     modules.back() = others.back().get();
   }
   const std::string m = exception_of<gradavg::variable_mismatch_error>([&] {
-                          gradavg::torch::average_module_gradients(MPI_COMM_WORLD, std::span(modules));
+                          gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, std::span(modules));
                         }).what();
   CHECK(!m.empty());
+  for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
+  CHECK(same_on_every_rank(42));
+}
+
+TEST_CASE("a null replica on one rank: tower_error there, remote_error elsewhere, no gradient changed, no hang") {
+  auto all = all_replicas(31);
+  auto local = local_replicas(all);
+  std::vector<std::uint64_t> before;
+  std::vector<torch::nn::Module*> modules;
+  for (auto& m : local) {
+    before.push_back(hash_of(gradients_of(m)));
+    modules.push_back(m.get());
+  }
+  const std::size_t last = world_size() - 1;
+  if (world_rank() == last) modules.back() = nullptr;
+  auto call = [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, std::span(modules)); };
+  if (world_rank() == last)
+    CHECK(contains(exception_of<gradavg::tower_error>(call).what(), "is null"));
+  else
+    CHECK(contains(exception_of<gradavg::remote_error>(call).what(), "rank " + std::to_string(last)));
   for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
   CHECK(same_on_every_rank(42));
 }

@@ -22,6 +22,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <ostream>
 #include <ranges>
@@ -125,7 +126,7 @@ struct variable_traits<at::Tensor> {
   }
 };
 
-namespace torch {
+namespace libtorch {
 
 /// What average_module_gradients did.
 struct module_report {
@@ -150,32 +151,42 @@ template <class M>
 }
 
 /// The replicas' parameters as towers of (gradient, name) entries, averaged by
-/// average(towers, means) in place into replica 0's gradients, then copied to the other replicas.
+/// average(towers, means, prior) in place into replica 0's gradients, then copied to the other
+/// replicas. prior: what gathering the entries threw (a null replica, an allocation), for the
+/// averaging call to rethrow, after agreeing on it with the other processes where there are any.
 template <class Average>
 module_report average_replicas(std::span<::torch::nn::Module* const> replicas, Average&& average) {
   const std::size_t k_count = replicas.size();
-  for (std::size_t k = 0; k < k_count; ++k)
-    if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
   // named_parameters() holds the names; the entries view them.
   std::vector<::torch::OrderedDict<std::string, at::Tensor>> params;
-  params.reserve(k_count);
-  for (auto* m : replicas) params.push_back(m->named_parameters(/*recurse=*/true));
-  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg(k_count);
-  for (std::size_t k = 0; k < k_count; ++k) {
-    tg[k].reserve(params[k].size());
-    for (const auto& item : params[k]) {
-      const at::Tensor& p = item.value();
-      tg[k].emplace_back(p.requires_grad() ? p.grad() : at::Tensor(), std::string_view(item.key()));
-    }
-  }
-  // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
+  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg;
   std::vector<at::Tensor> means;
-  if (k_count > 0) {
-    means.reserve(tg[0].size());
-    for (const auto& e : tg[0]) means.push_back(e.first);
+  std::exception_ptr prior;
+  try {
+    for (std::size_t k = 0; k < k_count; ++k)
+      if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+    params.reserve(k_count);
+    for (auto* m : replicas) params.push_back(m->named_parameters(/*recurse=*/true));
+    tg.resize(k_count);
+    for (std::size_t k = 0; k < k_count; ++k) {
+      tg[k].reserve(params[k].size());
+      for (const auto& item : params[k]) {
+        const at::Tensor& p = item.value();
+        tg[k].emplace_back(p.requires_grad() ? p.grad() : at::Tensor(), std::string_view(item.key()));
+      }
+    }
+    // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
+    if (k_count > 0) {
+      means.reserve(tg[0].size());
+      for (const auto& e : tg[0]) means.push_back(e.first);
+    }
+  } catch (...) {
+    prior = std::current_exception();
+    tg.clear();
+    means.clear();
   }
   module_report result;
-  result.report = average(tg, means);
+  result.report = average(tg, means, prior);
   for (std::size_t i = 0; i < means.size(); ++i) {
     if (!means[i].defined()) {
       result.skipped.emplace_back(tg[0][i].second);
@@ -203,7 +214,10 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, A
 /// parameter, skipped ones included. A null replica is a tower_error.
 inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
                                               const options& opts = {}) {
-  return detail::average_replicas(replicas, [&](const auto& tg, auto& means) { return average_gradients_into(tg, means, opts); });
+  return detail::average_replicas(replicas, [&](const auto& tg, auto& means, std::exception_ptr prior) {
+    if (prior) std::rethrow_exception(prior);
+    return average_gradients_into(tg, means, opts);
+  });
 }
 
 /// The same for any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder (the
@@ -219,7 +233,7 @@ module_report average_module_gradients(const R& replicas, const options& opts = 
   return average_module_gradients(std::span<::torch::nn::Module* const>(modules), opts);
 }
 
-}  // namespace torch
+}  // namespace libtorch
 
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

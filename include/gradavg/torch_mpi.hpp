@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <exception>
 #include <ranges>
 #include <span>
 #include <type_traits>
@@ -14,7 +15,7 @@
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace torch {
+namespace libtorch {
 
 /// average_module_gradients across the ranks of comm: each rank passes its own replicas (one or
 /// more; ranks may hold different numbers), and every replica of every rank receives the mean
@@ -25,8 +26,10 @@ namespace torch {
 /// Collective: every rank of comm calls it with the same options (weights: one per local replica).
 inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
                                               const gradavg::mpi::options& opts = {}) {
-  return detail::average_replicas(
-      replicas, [&](const auto& tg, auto& means) { return gradavg::mpi::average_gradients_into(comm, tg, means, opts); });
+  // A rank whose replicas cannot be read takes part in the agreement with its error (prior).
+  return detail::average_replicas(replicas, [&](const auto& tg, auto& means, std::exception_ptr prior) {
+    return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
+  });
 }
 
 /// The same for any range of replicas (Module*, std::shared_ptr<M>, or a ModuleHolder).
@@ -41,6 +44,6 @@ module_report average_module_gradients(MPI_Comm comm, const R& replicas, const g
   return average_module_gradients(comm, std::span<::torch::nn::Module* const>(modules), opts);
 }
 
-}  // namespace torch
+}  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg
