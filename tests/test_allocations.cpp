@@ -1,6 +1,6 @@
 // average_gradients_into allocates nothing on the calling thread nor on a pool's threads, with
-// threads = 1 or with a pool (docs/threads.md: "What allocates"). Global operator new is replaced here by
-// one that counts, in every thread, while a window is open.
+// threads = 1 or with a pool (docs/threads.md: "What allocates"). Global operator new is replaced
+// (replaced_new.hpp) by one that counts, in every thread, while a window is open.
 #include <gradavg/eigen_thread_pool.hpp>
 #include <gradavg/gradavg.hpp>
 
@@ -11,25 +11,13 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "replaced_new.hpp"
 #include "workload.hpp"
 
 namespace {
 
 std::atomic<bool> counting{false};
 std::atomic<std::size_t> allocations{0};
-
-void* counted_allocate(std::size_t n, std::size_t alignment) {
-  if (counting.load()) allocations.fetch_add(1);
-  if (n == 0) n = 1;
-  void* p = alignment <= alignof(std::max_align_t)
-                ? std::malloc(n)
-                : std::aligned_alloc(alignment, (n + alignment - 1) / alignment * alignment);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-
-/// Out of line, so the compiler does not pair an inlined free() with operator new and warn.
-[[gnu::noinline]] void counted_release(void* p) noexcept { std::free(p); }
 
 /// How many times operator new ran, on any thread, while f ran.
 template <class F>
@@ -43,26 +31,9 @@ std::size_t allocations_during(F&& f) {
 
 }  // namespace
 
-void* operator new(std::size_t n) { return counted_allocate(n, 0); }
-void* operator new[](std::size_t n) { return counted_allocate(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) { return counted_allocate(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return counted_allocate(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return counted_allocate(n, 0);
-  } catch (...) {
-    return nullptr;
-  }
+void gradavg_test::on_allocation() {
+  if (counting.load()) allocations.fetch_add(1);
 }
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
-void operator delete(void* p) noexcept { counted_release(p); }
-void operator delete[](void* p) noexcept { counted_release(p); }
-void operator delete(void* p, std::size_t) noexcept { counted_release(p); }
-void operator delete[](void* p, std::size_t) noexcept { counted_release(p); }
-void operator delete(void* p, std::align_val_t) noexcept { counted_release(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { counted_release(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { counted_release(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { counted_release(p); }
 
 TEST_CASE("the counter sees allocations on any thread") {
   CHECK(allocations_during([] {

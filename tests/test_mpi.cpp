@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "mpi_support.hpp"
 #include "reference.hpp"
 #include "support.hpp"
 
@@ -34,25 +35,7 @@ using namespace gradavg_test;
 using half = Eigen::half;
 using bfloat16 = Eigen::bfloat16;
 
-/// MPI for the life of the program (main() is the suite's shared one): every rank runs every case
-/// in the same order; mpiexec fails when any rank's run fails.
-struct mpi_session {
-  mpi_session() { MPI_Init(nullptr, nullptr); }
-  ~mpi_session() { MPI_Finalize(); }
-  mpi_session(const mpi_session&) = delete;
-  mpi_session& operator=(const mpi_session&) = delete;
-} const session;
-
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+const mpi_session session;  // mpi_support.hpp
 
 /// FNV-1a of the outputs' bytes.
 template <class S>

@@ -26,19 +26,9 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "mpi_support.hpp"
+#include "replaced_new.hpp"
 #include "support.hpp"
-
-// Under AddressSanitizer the allocation functions are its own: the allocation case is left out.
-#if defined(__SANITIZE_ADDRESS__)
-#define GRADAVG_TEST_INJECT_ALLOCATIONS 0
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define GRADAVG_TEST_INJECT_ALLOCATIONS 0
-#endif
-#endif
-#ifndef GRADAVG_TEST_INJECT_ALLOCATIONS
-#define GRADAVG_TEST_INJECT_ALLOCATIONS 1
-#endif
 
 namespace {
 
@@ -74,43 +64,11 @@ struct countdown {
 
 countdown traits_failure, allocation_failure, executor_failure;
 
-void* allocate(std::size_t n, std::size_t alignment) {
-  if (allocation_failure.tick()) throw std::bad_alloc();
-  if (n == 0) n = 1;
-  void* p = alignment <= alignof(std::max_align_t)
-                ? std::malloc(n)
-                : std::aligned_alloc(alignment, (n + alignment - 1) / alignment * alignment);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-
-/// Out of line, so the compiler does not pair an inlined free() with operator new and warn.
-[[gnu::noinline]] void release(void* p) noexcept { std::free(p); }
-
 }  // namespace
 
-#if GRADAVG_TEST_INJECT_ALLOCATIONS
-void* operator new(std::size_t n) { return allocate(n, 0); }
-void* operator new[](std::size_t n) { return allocate(n, 0); }
-void* operator new(std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return allocate(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return allocate(n, 0);
-  } catch (...) {
-    return nullptr;
-  }
+void gradavg_test::on_allocation() {
+  if (allocation_failure.tick()) throw std::bad_alloc();
 }
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept { return operator new(n, t); }
-void operator delete(void* p) noexcept { release(p); }
-void operator delete[](void* p) noexcept { release(p); }
-void operator delete(void* p, std::size_t) noexcept { release(p); }
-void operator delete[](void* p, std::size_t) noexcept { release(p); }
-void operator delete(void* p, std::align_val_t) noexcept { release(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { release(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { release(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { release(p); }
-#endif
 
 namespace user {
 
@@ -150,23 +108,10 @@ namespace {
 
 using gradavg_test::contains;
 
-struct mpi_session {
-  mpi_session() { MPI_Init(nullptr, nullptr); }
-  ~mpi_session() { MPI_Finalize(); }
-  mpi_session(const mpi_session&) = delete;
-  mpi_session& operator=(const mpi_session&) = delete;
-} const session;
+using gradavg_test::world_rank;
+using gradavg_test::world_size;
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+const gradavg_test::mpi_session session;
 
 bool on_any_rank(bool mine) {
   int x = mine ? 1 : 0;
@@ -351,7 +296,6 @@ TEST_CASE("a tensor_traits call that fails at any point on one rank: its error t
   }
 }
 
-#if GRADAVG_TEST_INJECT_ALLOCATIONS
 TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc there, remote_error elsewhere, "
           "nothing written, no hang") {
   layout l({5, 300, 7});
@@ -388,7 +332,6 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
     CHECK(inject_everywhere(allocation_failure, failing, true, allocating) > 3);
   }
 }
-#endif
 
 TEST_CASE("an executor that fails at any call on one rank, before or after a task: its error there, "
           "remote_error elsewhere, no hang") {

@@ -1,0 +1,31 @@
+// Test helpers for the MPI tests: MPI for the life of a test program, and this process's place
+// in MPI_COMM_WORLD.
+#pragma once
+
+#include <mpi.h>
+
+namespace gradavg_test {
+
+/// MPI for the life of the program (main() is the suite's shared one): one object per test
+/// program; every rank runs every case in the same order, and mpiexec fails when any rank's run
+/// fails.
+struct mpi_session {
+  mpi_session() { MPI_Init(nullptr, nullptr); }
+  ~mpi_session() { MPI_Finalize(); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+};
+
+inline int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+inline int world_size() {
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+}  // namespace gradavg_test
