@@ -181,6 +181,8 @@ struct storage_ops {
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4)
         return _mm_castsi128_ps(
             _mm_unpacklo_epi16(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 4)
+        return half_to_float(_mm_unpacklo_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), _mm_setzero_si128()));
 #endif
       alignas(64) Acc wide[width];
       for (std::size_t i = 0; i < width; ++i) wide[i] = static_cast<Acc>(p[i]);
@@ -214,12 +216,10 @@ struct storage_ops {
 #elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
         return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_castps_si128(_mm_cvtpd_ps(v)));
-      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4) {
-        // Four 16-bit values from the low halves of the 32-bit lanes: words 0, 2, 4, 6.
-        __m128i bits = _mm_shufflelo_epi16(bfloat16_bits(v), _MM_SHUFFLE(2, 0, 2, 0));
-        bits = _mm_shufflehi_epi16(bits, _MM_SHUFFLE(2, 0, 2, 0));
-        return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_shuffle_epi32(bits, _MM_SHUFFLE(3, 1, 2, 0)));
-      }
+      if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4)
+        return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), low_words(bfloat16_bits(v)));
+      if constexpr (std::is_same_v<S, Eigen::half> && width == 4)
+        return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), low_words(half_bits(v)));
 #endif
       alignas(64) Acc wide[width];
       ops::store(wide, v);
@@ -473,6 +473,58 @@ struct storage_ops {
   }
 #endif
 #elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+  /// The four 16-bit values in the low halves of v's 32-bit lanes (words 0, 2, 4, 6), in the low
+  /// 64 bits.
+  static __m128i low_words(const __m128i& v) noexcept {
+    __m128i words = _mm_shufflelo_epi16(v, _MM_SHUFFLE(2, 0, 2, 0));
+    words = _mm_shufflehi_epi16(words, _MM_SHUFFLE(2, 0, 2, 0));
+    return _mm_shuffle_epi32(words, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+
+  /// Four halves (zero-extended in 32-bit lanes) as floats: exact, the bits of Eigen's scalar
+  /// half_to_float for every input (without F16C), in SSE2 integer operations and one exact
+  /// subtraction (subnormal halves; other lanes subtract a value from itself: no flag raised).
+  static __m128 half_to_float(const __m128i& h) noexcept {
+    const __m128i shifted_exp = _mm_set1_epi32(0x7c00 << 13);
+    const __m128i magic = _mm_set1_epi32(113 << 23);
+    __m128i o = _mm_add_epi32(_mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x7fff)), 13),
+                              _mm_set1_epi32((127 - 15) << 23));
+    const __m128i exp = _mm_and_si128(_mm_slli_epi32(h, 13), shifted_exp);
+    const __m128i inf_nan = _mm_cmpeq_epi32(exp, shifted_exp);
+    const __m128i small = _mm_cmpeq_epi32(exp, _mm_setzero_si128());
+    const __m128i renormalise = _mm_or_si128(_mm_and_si128(small, _mm_add_epi32(o, _mm_set1_epi32(1 << 23))),
+                                             _mm_andnot_si128(small, magic));
+    const __m128i subnormal =
+        _mm_castps_si128(_mm_sub_ps(_mm_castsi128_ps(renormalise), _mm_castsi128_ps(magic)));
+    o = _mm_add_epi32(o, _mm_and_si128(inf_nan, _mm_set1_epi32((128 - 16) << 23)));
+    o = _mm_or_si128(_mm_and_si128(small, subnormal), _mm_andnot_si128(small, o));
+    return _mm_castsi128_ps(_mm_or_si128(o, _mm_slli_epi32(_mm_and_si128(h, _mm_set1_epi32(0x8000)), 16)));
+  }
+
+  /// Half bit patterns of v's floats in 32-bit lanes: the bits of Eigen's scalar float_to_half_rtne
+  /// (to nearest even; NaN -> 0x7e00 with the sign kept, overflow -> infinity) for every input,
+  /// in SSE2 integer operations and one addition (lanes below the smallest normal half; other
+  /// lanes add to zero: no flag raised by a NaN).
+  static __m128i half_bits(const __m128& v) noexcept {
+    const __m128i bits = _mm_castps_si128(v);
+    const __m128i sign = _mm_and_si128(bits, _mm_set1_epi32(static_cast<int>(0x80000000u)));
+    const __m128i f = _mm_xor_si128(bits, sign);
+    const __m128i denorm_magic = _mm_set1_epi32(((127 - 15) + (23 - 10) + 1) << 23);
+    const __m128i big = _mm_cmpgt_epi32(f, _mm_set1_epi32(((127 + 16) << 23) - 1));
+    const __m128i nan = _mm_cmpgt_epi32(f, _mm_set1_epi32(255 << 23));
+    const __m128i big_value = _mm_or_si128(_mm_set1_epi32(0x7c00), _mm_and_si128(nan, _mm_set1_epi32(0x0200)));
+    const __m128i small = _mm_cmplt_epi32(f, _mm_set1_epi32(113 << 23));
+    const __m128i small_sum = _mm_castps_si128(
+        _mm_add_ps(_mm_castsi128_ps(_mm_and_si128(small, f)), _mm_castsi128_ps(denorm_magic)));
+    const __m128i small_value = _mm_sub_epi32(small_sum, denorm_magic);
+    const __m128i odd = _mm_and_si128(_mm_srli_epi32(f, 13), _mm_set1_epi32(1));
+    const __m128i normal_value = _mm_srli_epi32(
+        _mm_add_epi32(_mm_add_epi32(f, _mm_set1_epi32(static_cast<int>(0xc8000fffu))), odd), 13);
+    __m128i o = _mm_or_si128(_mm_and_si128(small, small_value), _mm_andnot_si128(small, normal_value));
+    o = _mm_or_si128(_mm_and_si128(big, big_value), _mm_andnot_si128(big, o));
+    return _mm_or_si128(o, _mm_srli_epi32(sign, 16));
+  }
+
   static __m128i bfloat16_bits(const __m128& v) noexcept {
     const __m128i u = _mm_castps_si128(v);
     const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
