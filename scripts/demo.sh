@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The main demo, on a fresh Debian 12 machine: installs what is missing, builds the examples
 # (Release), then runs the README's program, a data-parallel training job on synthetic data it
-# generates, a mixed-precision one (bf16 gradients, dynamic loss scaling, clipping, noise
-# scale), when MPI is installed, the data-parallel job across 2 processes (mpiexec -n 2,
-# 2 towers each), and, when libtorch is installed, libtorch replicas on threads learning
-# scikit-learn's handwritten digits (scripts/fetch-digits.sh gets them from Debian's
-# python3-sklearn package), then the same across 2 processes when MPI is installed too. Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
+# generates, a mixed-precision one (binary16 gradients with a dynamic loss scale, bfloat16
+# gradients without one; clipping, noise scale), when MPI is installed, the data-parallel job
+# across 2 processes (mpiexec -n 2, 2 towers each), and, when libtorch is installed, libtorch
+# replicas on threads learning scikit-learn's handwritten digits (scripts/fetch-digits.sh gets
+# them from Debian's python3-sklearn package), then the same across 2 processes when MPI is
+# installed too. Extra arguments go to the first training job (e.g. --towers 8 --steps 400).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build="${GRADAVG_BUILD_ROOT:-build}/demo"
