@@ -28,6 +28,7 @@
 #include "mpi_support.hpp"
 #include "reference.hpp"
 #include "support.hpp"
+#include "x87_check.hpp"
 
 namespace {
 
@@ -164,6 +165,7 @@ void check_against_references(bool uneven, bool squares, std::size_t fusion_byte
   gradavg::summary s;
   if (squares) s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, sq, opts);
   else s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
+  gradavg_test::check_x87_after("gradavg::mpi::average_gradients_into with skipped variables");
   CHECK(s.averaged == 5);
   CHECK(s.skipped == 2);
   CHECK(s.towers == w.total_towers());
@@ -413,6 +415,7 @@ TEST_CASE("the allocating API: the same bits as average_gradients_into, skipped 
   gradavg::mpi::options opts;
   opts.include_square = true;
   const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, w.local(), opts);
+  gradavg_test::check_x87_after("gradavg::mpi::average_gradients with a skipped variable");
   REQUIRE(r.gradients.size() == 2);
   REQUIRE(r.squares.size() == 2);
   REQUIRE(r.skipped.size() == 1);

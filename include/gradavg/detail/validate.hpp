@@ -143,6 +143,17 @@ GRADAVG_HOT_ S* typed_mutable_data(T& t) {
 template <class TG>
 [[noreturn, gnu::cold, gnu::noinline]] void rethrow_located(const TG& tg, std::size_t i, const std::string& what);
 
+/// The bytes of n elements from p: empty for n = 0 (p null for an absent buffer). Every byte range
+/// is built this way, from a pointer and a count, never chosen whole between an empty range and
+/// another: GCC 12 (baseline x86-64, -O2) can copy such a chosen 16-byte value through an MMX
+/// register, which leaves the caller's x87 stack full and its next long double NaN (test_x87,
+/// and the no_mmx checks in tests/CMakeLists.txt).
+template <class T>
+GRADAVG_HOT_ byte_range bytes_of(const T* p, std::size_t n) noexcept {
+  const auto* b = reinterpret_cast<const std::byte*>(p);
+  return {b, b + n * sizeof(T)};
+}
+
 /// What the checks and the kernel need of one gradient, read once.
 template <class S>
 struct gradient_read {
@@ -151,10 +162,7 @@ struct gradient_read {
   bool present = false;
   bool contiguous = true;
 
-  [[nodiscard]] byte_range bytes() const noexcept {
-    const auto* p = reinterpret_cast<const std::byte*>(data);
-    return present ? byte_range{p, p + dims.size() * sizeof(S)} : byte_range{};
-  }
+  [[nodiscard]] byte_range bytes() const noexcept { return bytes_of(data, present ? dims.size() : 0); }
 };
 
 /// Entry e's gradient, read as S. Validation reads through read_gradient_at, which names the
@@ -786,19 +794,18 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
       auto&& v0 = entry_traits<E>::variable(e0);
       const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
       const byte_range g0_bytes = g0.bytes();
-      const std::size_t bytes = g0.present ? g0.dims.size() * sizeof(O) : 0;  // of each output
       output_read<O> m, q;
-      byte_range m_bytes{}, q_bytes{};
       if (g0.present) {
         m = read_output_at<TG, Means, O>(tg, means, i, "means");
         output_problem = output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
-        if (m.present) m_bytes = {reinterpret_cast<const std::byte*>(m.data), reinterpret_cast<const std::byte*>(m.data) + bytes};
         if constexpr (with_squares) {
           q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
           output_problem = output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
-          if (q.present) q_bytes = {reinterpret_cast<const std::byte*>(q.data), reinterpret_cast<const std::byte*>(q.data) + bytes};
         }
       }
+      const std::size_t elements = g0.present ? g0.dims.size() : 0;  // of each output
+      const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
+      const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
       const bool check_own = opts.aliasing == alias_check::same_variable && g0.present && !own_overlap;
       auto check_own_gradient = [&](const byte_range& g, std::size_t k) {
         if (!check_own || own_overlap) return;
