@@ -12,12 +12,14 @@
 #include <memory>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "support.hpp"
+#include "x87_check.hpp"
 
 // `using namespace gradavg;` leaves every later `torch::` naming libtorch's (gradavg's own names
 // are in gradavg::libtorch): this unit would not compile otherwise.
@@ -161,9 +163,11 @@ TEST_CASE("undefined tensors are absent gradients") {
   auto means = outputs_like(random_towers(1, {{4}, {5}, {6}}, at::kFloat, 1), at::kFloat);
   means[1] = at::Tensor();  // a skipped variable's output is not read
   const auto s = gradavg::average_gradients_into(tg, means);
+  gradavg_test::check_x87_after("average_gradients_into with an undefined (absent) gradient");
   CHECK(s.averaged == 2);
   CHECK(s.skipped == 1);
   CHECK(gradavg::average_gradients(tg).skipped.size() == 1);
+  gradavg_test::check_x87_after("average_gradients with an undefined (absent) gradient");
 
   tg[2][2].first = at::Tensor();  // undefined on tower 2 only
   const auto before = clones(means);
@@ -180,15 +184,31 @@ TEST_CASE("tensors gradavg does not read: its errors, naming the variable and th
   auto means = outputs_like(tg, at::kFloat);
   const auto before = clones(means);
 
-  SECTION("non-contiguous") {
-    tg[1][0].first = torch::randn({5, 4}).t();
-    const auto e = gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
+  SECTION("strided: gaps between elements") {
+    tg[1][0].first = torch::randn({4, 10}).slice(1, 0, 10, 2);
+    const auto e =
+        gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
     CHECK(std::string(e.what()) ==
           "variable #0 'v0': gradient on tower 1 is not contiguous (strided); pass a contiguous tensor or a copy");
   }
-  SECTION("a non-contiguous output") {
-    means[0] = torch::full({5, 4}, -7.0).t();
-    const auto e = gradavg_test::exception_of<gradavg::output_error>([&] { gradavg::average_gradients_into(tg, means); });
+  SECTION("strided: overlapping elements (expand)") {
+    tg[2][0].first = torch::randn({5}).expand({4, 5});
+    const auto e =
+        gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
+    CHECK(std::string(e.what()) ==
+          "variable #0 'v0': gradient on tower 2 is not contiguous (strided); pass a contiguous tensor or a copy");
+  }
+  SECTION("dense in another memory order (a transpose): its memory-order shape against tower 0's") {
+    tg[1][0].first = torch::randn({5, 4}).t();
+    const auto e =
+        gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
+    CHECK(std::string(e.what()) == "variable #0 'v0': gradient on tower 1 has shape [5, 4] row-major but on tower 0 "
+                                   "has shape [4, 5] row-major");
+  }
+  SECTION("a strided output") {
+    means[0] = torch::full({4, 10}, -7.0).slice(1, 0, 10, 2);
+    const auto e =
+        gradavg_test::exception_of<gradavg::output_error>([&] { gradavg::average_gradients_into(tg, means); });
     CHECK(gradavg_test::contains(e.what(), "variable #0 'v0': the means output is not contiguous"));
     means[0] = before[0].clone();
   }
@@ -315,6 +335,7 @@ TEST_CASE("module replicas: averaged into replica 0's .grad() in place, copied t
       const auto want = span_path<float, float>(tg, {});
 
       const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
+      gradavg_test::check_x87_after("average_module_gradients with frozen (skipped) parameters");
       CHECK(r.report.averaged == 4);
       CHECK(r.report.towers == k_count);
       CHECK(r.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
@@ -378,4 +399,522 @@ TEST_CASE("module replicas: a module pointer span, and mismatches reported befor
     modules[1] = replicas[1].ptr().get();
   }
   CHECK(all_bitwise_equal(grads_now(), before));
+}
+
+namespace {
+
+/// A convolution and a linear head: conv.weight is the one 4-d parameter.
+struct ConvNetImpl : torch::nn::Cloneable<ConvNetImpl> {
+  ConvNetImpl() { reset(); }
+  void reset() override {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3)));
+    fc = register_module("fc", torch::nn::Linear(4 * 4 * 4, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return fc(torch::relu(conv(x)).flatten(1)); }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(ConvNet);
+
+/// Every 4-d parameter of m in channels_last memory order (the C++ frontend's Module::to() takes
+/// no memory format).
+void to_channels_last(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
+
+/// K channels_last replicas of one ConvNet, each with the gradient of its 8 rows of a
+/// channels_last batch.
+std::vector<ConvNet> channels_last_replicas(std::size_t k_count, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  ConvNet model;
+  std::vector<ConvNet> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<ConvNetImpl>(model->clone()));
+  for (auto& replica : r) to_channels_last(*replica);
+  const auto n = static_cast<std::int64_t>(8 * k_count);
+  const at::Tensor x = torch::randn({n, 2, 6, 6}).contiguous(at::MemoryFormat::ChannelsLast);
+  const at::Tensor y = torch::randint(0, 3, {n});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto rows = torch::indexing::Slice(static_cast<std::int64_t>(8 * k), static_cast<std::int64_t>(8 * (k + 1)));
+    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
+  }
+  return r;
+}
+
+bool is_channels_last(const at::Tensor& t) {
+  return t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous();
+}
+
+}  // namespace
+
+TEST_CASE("channels_last gradients: averaged in memory order into a channels_last output") {
+  auto replicas = channels_last_replicas(3, 41);
+  towers_t tg(3), nhwc(3);
+  std::vector<at::Tensor> grads;
+  for (std::size_t k = 0; k < 3; ++k) {
+    const at::Tensor g = replicas[k]->conv->weight.grad();
+    REQUIRE(is_channels_last(g));  // libtorch gives the gradient the parameter's strides
+    tg[k].emplace_back(g.clone(), "conv.weight");
+    nhwc[k].emplace_back(g.permute({0, 2, 3, 1}).contiguous(), "conv.weight");
+    grads.push_back(g);
+  }
+  const at::Tensor torch_mean = torch::stack(grads).mean(0);
+  const at::Tensor ref = reference_mean(tg, 0);
+  const double scale = ref.abs().max().item<double>();
+  // The same elements in the same memory order, row-major [O, kH, kW, I]: the same bits.
+  const auto want = span_path<float, float>(nhwc, {});
+  for (std::size_t threads : {1u, 2u}) {
+    INFO("threads " << threads);
+    std::vector<at::Tensor> means{at::empty_like(tg[0][0].first)};
+    REQUIRE(is_channels_last(means[0]));
+    const void* where = means[0].data_ptr();
+    CHECK(gradavg::average_gradients_into(tg, means, {.threads = threads}).averaged == 1);
+    CHECK(is_channels_last(means[0]));
+    CHECK(means[0].data_ptr() == where);
+    CHECK(gradavg_test::same_bits(static_cast<const float*>(means[0].data_ptr()), want[0].data(), want[0].size()));
+    CHECK((means[0].to(at::kDouble) - ref).abs().max().item<double>() <= 1e-6 * scale);
+    CHECK((means[0] - torch_mean).abs().max().item<double>() <= 1e-6 * scale);
+  }
+  // The allocating API returns row-major tensors of the memory-order shape.
+  const auto r = gradavg::average_gradients(tg);
+  CHECK(r.gradients[0].first.sizes() == at::IntArrayRef({4, 3, 3, 2}));
+  CHECK(gradavg_test::same_bits(static_cast<const float*>(r.gradients[0].first.data_ptr()), want[0].data(),
+                                want[0].size()));
+}
+
+TEST_CASE("channels_last gradients: another memory order is a shape error naming both, nothing written") {
+  auto replicas = channels_last_replicas(3, 43);
+  towers_t tg(3);
+  for (std::size_t k = 0; k < 3; ++k) tg[k].emplace_back(replicas[k]->conv->weight.grad(), "conv.weight");
+  SECTION("a contiguous output") {
+    std::vector<at::Tensor> means{torch::full({4, 2, 3, 3}, -7.0)};
+    const auto e =
+        gradavg_test::exception_of<gradavg::output_error>([&] { gradavg::average_gradients_into(tg, means); });
+    CHECK(std::string(e.what()) == "variable #0 'conv.weight': the means output has shape [4, 2, 3, 3] row-major but "
+                                   "the gradient has shape [4, 3, 3, 2] row-major");
+    CHECK(torch::equal(means[0], torch::full({4, 2, 3, 3}, -7.0)));
+  }
+  SECTION("a contiguous gradient on one tower") {
+    tg[1][0].first = tg[1][0].first.contiguous();
+    std::vector<at::Tensor> means{torch::full({4, 2, 3, 3}, -7.0).contiguous(at::MemoryFormat::ChannelsLast)};
+    const auto e =
+        gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
+    CHECK(std::string(e.what()) == "variable #0 'conv.weight': gradient on tower 1 has shape [4, 2, 3, 3] row-major "
+                                   "but on tower 0 has shape [4, 3, 3, 2] row-major");
+    CHECK(torch::equal(means[0], torch::full({4, 2, 3, 3}, -7.0)));
+  }
+}
+
+TEST_CASE("module replicas in channels_last: the means in place, every replica's gradient channels_last") {
+  for (std::size_t threads : {1u, 2u}) {
+    INFO("threads " << threads);
+    auto replicas = channels_last_replicas(3, 47);
+    std::vector<at::Tensor> want, where;
+    for (const auto& p : replicas[0]->parameters()) {
+      std::vector<at::Tensor> g;
+      for (const auto& m : replicas) g.push_back(m->parameters()[want.size()].grad().to(at::kDouble));
+      want.push_back(torch::stack(g).mean(0));
+      where.push_back(p.grad());
+    }
+    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads});
+    CHECK(r.report.averaged == 4);
+    CHECK(r.skipped.empty());
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO("parameter " << i);
+      const at::Tensor g = replicas[0]->parameters()[i].grad();
+      CHECK(g.data_ptr() == where[i].data_ptr());
+      CHECK(g.strides() == replicas[0]->parameters()[i].strides());
+      CHECK((g.to(at::kDouble) - want[i]).abs().max().item<double>() <= 1e-6 * want[i].abs().max().item<double>());
+      for (std::size_t k = 1; k < 3; ++k) {
+        const at::Tensor gk = replicas[k]->parameters()[i].grad();
+        CHECK(gk.strides() == g.strides());
+        CHECK(bitwise_equal(gk, g));
+      }
+    }
+    CHECK(is_channels_last(replicas[2]->conv->weight.grad()));
+  }
+}
+
+namespace {
+
+/// One 1 Mi-float parameter and a small one: large enough for the averaging and the copies to
+/// split into chunks.
+struct WideImpl : torch::nn::Cloneable<WideImpl> {
+  WideImpl() { reset(); }
+  void reset() override {
+    w = register_parameter("w", torch::zeros({1024, 1024}));
+    b = register_parameter("b", torch::zeros({1000}));
+  }
+  at::Tensor w, b;
+};
+TORCH_MODULE(Wide);
+
+/// K replicas of one Wide, each with gradients from randn.
+std::vector<Wide> wide_replicas(std::size_t k_count, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Wide model;
+  std::vector<Wide> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<WideImpl>(model->clone()));
+  for (auto& replica : r)
+    for (auto& p : replica->parameters()) p.mutable_grad() = torch::randn_like(p);
+  return r;
+}
+
+/// Runs the tasks inline and counts its parallel_for calls; call number fail_at (from 1) throws
+/// std::runtime_error instead.
+class counting_executor final : public gradavg::executor {
+ public:
+  explicit counting_executor(std::size_t fail_at = 0) : fail_at_(fail_at) {}
+  [[nodiscard]] std::size_t concurrency() const noexcept override { return 2; }
+  void parallel_for(std::size_t n, gradavg::task_ref task) override {
+    if (++calls == fail_at_) throw std::runtime_error("executor call " + std::to_string(calls) + " failed");
+    for (std::size_t i = 0; i < n; ++i) task(i);
+  }
+  std::size_t calls = 0;
+
+ private:
+  std::size_t fail_at_;
+};
+
+}  // namespace
+
+TEST_CASE("module replicas: the copies into replicas 1..K-1 run on the options' executor, bitwise replica 0's") {
+  gradavg::thread_pool pool(2);
+  for (const char* how : {"threads 1", "threads 2", "a thread_pool of 2", "streaming stores, threads 2"}) {
+    INFO(how);
+    auto replicas = wide_replicas(4, 53);
+    towers_t tg(4);
+    for (std::size_t k = 0; k < 4; ++k)
+      for (const auto& p : replicas[k]->named_parameters()) tg[k].emplace_back(p.value().grad().clone(), p.key());
+    const auto want = span_path<float, float>(tg, {});
+    gradavg::options opts;
+    const std::string h = how;
+    if (h == "a thread_pool of 2")
+      opts.pool = &pool;
+    else
+      opts.threads = h == "threads 1" ? 1 : 2;
+    opts.streaming_stores = h.starts_with("streaming");
+    CHECK(gradavg::libtorch::average_module_gradients(replicas, opts).report.averaged == 2);
+    for (std::size_t i = 0; i < 2; ++i) {
+      INFO("parameter " << i);
+      const at::Tensor g = replicas[0]->parameters()[i].grad();
+      CHECK(gradavg_test::same_bits(static_cast<const float*>(g.data_ptr()), want[i].data(), want[i].size()));
+      for (std::size_t k = 1; k < 4; ++k) CHECK(bitwise_equal(replicas[k]->parameters()[i].grad(), g));
+    }
+  }
+}
+
+TEST_CASE("module replicas: the executor runs the copies, and its exception reaches the caller") {
+  auto replicas = wide_replicas(4, 59);
+  counting_executor counter;
+  gradavg::libtorch::average_module_gradients(replicas, {.pool = &counter});
+  CHECK(counter.calls == 2);  // the averaging, then the copies
+  counting_executor failing(2);
+  CHECK_THROWS_WITH(gradavg::libtorch::average_module_gradients(replicas, {.pool = &failing}),
+                    "executor call 2 failed");
+}
+
+namespace {
+
+/// A body and two heads; the aux head takes part in the loss only where asked.
+struct TwoHeadsImpl : torch::nn::Cloneable<TwoHeadsImpl> {
+  TwoHeadsImpl() { reset(); }
+  void reset() override {
+    body = register_module("body", torch::nn::Linear(6, 8));
+    head = register_module("head", torch::nn::Linear(8, 3));
+    aux = register_module("aux", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_aux) {
+    const torch::Tensor h = torch::relu(body(x));
+    return use_aux ? head(h) + aux(h) : head(h);
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr}, aux{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+/// Three replicas of one TwoHeads and a batch of 8 rows per replica.
+struct two_heads_step {
+  std::vector<TwoHeads> replicas;
+  at::Tensor x, y;
+
+  explicit two_heads_step(std::uint64_t seed) {
+    torch::manual_seed(seed);
+    TwoHeads model;
+    replicas.push_back(model);
+    for (std::size_t k = 1; k < 3; ++k) replicas.push_back(std::dynamic_pointer_cast<TwoHeadsImpl>(model->clone()));
+    x = torch::randn({24, 6});
+    y = torch::randint(0, 3, {24});
+  }
+  /// Each replica's gradient of its rows, the aux head in the loss where use_aux says.
+  void backward(const std::vector<bool>& use_aux) {
+    for (std::size_t k = 0; k < 3; ++k) {
+      const auto first = static_cast<std::int64_t>(8 * k);
+      const auto rows = torch::indexing::Slice(first, first + 8);
+      torch::nn::functional::cross_entropy(replicas[k]->forward(x.index({rows}), use_aux[k]), y.index({rows}))
+          .backward();
+    }
+  }
+  /// Per parameter, the mean over the replicas in double, a missing gradient counted as zeros.
+  std::vector<at::Tensor> mean_with_zeros() const {
+    std::vector<at::Tensor> want;
+    const std::size_t n = replicas[0]->parameters().size();
+    for (std::size_t i = 0; i < n; ++i) {
+      std::vector<at::Tensor> g;
+      for (const auto& m : replicas) {
+        const at::Tensor p = m->parameters()[i];
+        g.push_back(p.grad().defined() ? p.grad().to(at::kDouble) : torch::zeros_like(p, torch::dtype(at::kDouble)));
+      }
+      want.push_back(torch::stack(g).mean(0));
+    }
+    return want;
+  }
+  /// Every replica holds want's means (replica 0 within 1e-6 of the largest |mean|, the others its bits).
+  void check_means(const std::vector<at::Tensor>& want) const {
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO("parameter " << replicas[0]->named_parameters().keys()[i]);
+      const at::Tensor g = replicas[0]->parameters()[i].grad();
+      REQUIRE(g.defined());
+      CHECK((g.to(at::kDouble) - want[i]).abs().max().item<double>() <= 1e-6 * want[i].abs().max().item<double>());
+      for (std::size_t k = 1; k < 3; ++k) CHECK(bitwise_equal(replicas[k]->parameters()[i].grad(), g));
+    }
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a parameter used on some replicas only: zeros after zero_grad(), an error after zero_grad(true)") {
+  two_heads_step s(61);
+  s.backward({true, true, true});
+  SECTION("zero_grad() (libtorch 1.13 fills zeros): averaged with those zeros") {
+    for (auto& m : s.replicas) m->zero_grad();
+    s.backward({true, false, true});
+    REQUIRE(s.replicas[1]->aux->weight.grad().defined());
+    CHECK(s.replicas[1]->aux->weight.grad().abs().max().item<float>() == 0.0f);
+    const auto want = s.mean_with_zeros();
+    const auto r = gradavg::libtorch::average_module_gradients(s.replicas);
+    CHECK(r.report.averaged == 6);
+    CHECK(r.zero_filled.empty());
+    s.check_means(want);
+  }
+  SECTION("zero_grad(true) (set to none): missing_gradient_error, nothing written") {
+    for (auto& m : s.replicas) m->zero_grad(true);
+    s.backward({true, false, true});
+    REQUIRE(!s.replicas[1]->aux->weight.grad().defined());
+    const at::Tensor before = s.replicas[0]->aux->weight.grad().clone();
+    const auto e = gradavg_test::exception_of<gradavg::missing_gradient_error>(
+        [&] { gradavg::libtorch::average_module_gradients(s.replicas); });
+    CHECK(gradavg_test::contains(e.what(), "'aux.weight': gradient missing on tower 1 but present on towers 0 and 2"));
+    CHECK(bitwise_equal(s.replicas[0]->aux->weight.grad(), before));
+    CHECK(!s.replicas[1]->aux->weight.grad().defined());
+  }
+}
+
+TEST_CASE("module_options::absent_as_zeros: a gradient absent on some replicas counts as zeros, as in DDP") {
+  for (std::size_t missing : {0u, 1u}) {
+    INFO("replica " << missing << " without the aux head's gradient");
+    two_heads_step s(67);
+    std::vector<bool> use_aux{true, true, true};
+    use_aux[missing] = false;
+    s.backward(use_aux);
+    REQUIRE(!s.replicas[missing]->aux->bias.grad().defined());
+    const auto want = s.mean_with_zeros();
+    const auto r = gradavg::libtorch::average_module_gradients(s.replicas, {.threads = 2}, {.absent_as_zeros = true});
+    CHECK(r.report.averaged == 6);
+    CHECK(r.skipped.empty());
+    CHECK(r.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
+    s.check_means(want);
+    CHECK(s.replicas[missing]->aux->weight.grad().sizes() == s.replicas[missing]->aux->weight.sizes());
+  }
+  SECTION("absent on every replica: skipped, nothing attached") {
+    two_heads_step s(71);
+    s.backward({false, false, false});
+    const auto want = s.mean_with_zeros();
+    const auto r = gradavg::libtorch::average_module_gradients(s.replicas, {}, {.absent_as_zeros = true});
+    CHECK(r.report.averaged == 4);
+    CHECK(r.skipped == std::vector<std::string>{"aux.weight", "aux.bias"});
+    CHECK(r.zero_filled.empty());
+    for (const auto& m : s.replicas) CHECK(!m->aux->weight.grad().defined());
+    CHECK((s.replicas[2]->head->weight.grad().to(at::kDouble) - want[2]).abs().max().item<double>() <=
+          1e-6 * want[2].abs().max().item<double>());
+  }
+}
+
+namespace {
+
+/// A linear layer, batch normalisation (running_mean, running_var, num_batches_tracked) and a head.
+struct BatchNormNetImpl : torch::nn::Cloneable<BatchNormNetImpl> {
+  explicit BatchNormNetImpl(std::int64_t width = 8) : width(width) { reset(); }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(6, width));
+    bn = register_module("bn", torch::nn::BatchNorm1d(width));
+    head = register_module("head", torch::nn::Linear(width, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(bn(fc(x))); }
+  std::int64_t width;
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BatchNormNet);
+
+/// Three replicas of one BatchNormNet whose running statistics differ (a train-mode forward of
+/// other data on each); replica 2's parameters differ as well.
+std::vector<BatchNormNet> diverged_replicas(std::uint64_t seed) {
+  torch::manual_seed(seed);
+  BatchNormNet model;
+  std::vector<BatchNormNet> r{model};
+  for (std::size_t k = 1; k < 3; ++k) r.push_back(std::dynamic_pointer_cast<BatchNormNetImpl>(model->clone()));
+  torch::NoGradGuard no_grad;
+  for (auto& p : r[2]->parameters()) p.add_(torch::randn_like(p), 0.1);
+  for (std::size_t k = 0; k < 3; ++k) r[k]->forward(torch::randn({16, 6}) * static_cast<double>(k + 1));
+  return r;
+}
+
+at::Tensor eval_output(BatchNormNet& m, const at::Tensor& x) {
+  m->eval();
+  torch::NoGradGuard no_grad;
+  return m->forward(x);
+}
+
+std::vector<at::Tensor> clones_of(const std::vector<at::Tensor>& v) {
+  std::vector<at::Tensor> c;
+  for (const auto& t : v) c.push_back(t.clone());
+  return c;
+}
+
+}  // namespace
+
+TEST_CASE("broadcast_buffers, broadcast_parameters: replica 0's values in every replica, the same eval() outputs") {
+  auto replicas = diverged_replicas(83);
+  const at::Tensor x = torch::randn({5, 6});
+  const auto buffers0 = clones_of(replicas[0]->buffers());
+  const auto params0 = clones_of(replicas[0]->parameters());
+  REQUIRE(buffers0.size() == 3);
+  const at::Tensor want = eval_output(replicas[0], x);
+  CHECK(!torch::equal(eval_output(replicas[1], x), want));
+  CHECK(!torch::equal(eval_output(replicas[2], x), want));
+
+  gradavg::libtorch::broadcast_buffers(replicas);
+  for (std::size_t k = 0; k < 3; ++k)
+    for (std::size_t i = 0; i < 3; ++i) CHECK(bitwise_equal(replicas[k]->buffers()[i], buffers0[i]));
+  CHECK(bitwise_equal(eval_output(replicas[1], x), want));  // same parameters, now the same statistics
+  CHECK(!torch::equal(eval_output(replicas[2], x), want));
+
+  std::vector<torch::nn::Module*> modules{replicas[0].get(), replicas[1].get(), replicas[2].get()};
+  gradavg::libtorch::broadcast_parameters(std::span<torch::nn::Module* const>(modules));
+  for (std::size_t k = 0; k < 3; ++k) {
+    for (std::size_t i = 0; i < params0.size(); ++i) CHECK(bitwise_equal(replicas[k]->parameters()[i], params0[i]));
+    CHECK(bitwise_equal(eval_output(replicas[k], x), want));
+  }
+}
+
+TEST_CASE("broadcast_buffers: replicas of different models are an error before anything is written") {
+  auto replicas = diverged_replicas(89);
+  const auto before = clones_of(replicas[2]->buffers());
+  SECTION("another width on replica 1") {
+    BatchNormNet other(5);
+    std::vector<BatchNormNet> mixed{replicas[0], other, replicas[2]};
+    const auto e =
+        gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::libtorch::broadcast_buffers(mixed); });
+    CHECK(gradavg_test::contains(e.what(), "buffer #0 'bn.running_mean': replica 1 has sizes [5]"));
+  }
+  SECTION("a null replica") {
+    std::vector<torch::nn::Module*> modules{replicas[0].get(), nullptr, replicas[2].get()};
+    CHECK_THROWS_AS(gradavg::libtorch::broadcast_buffers(std::span<torch::nn::Module* const>(modules)),
+                    gradavg::tower_error);
+  }
+  for (std::size_t i = 0; i < before.size(); ++i) CHECK(bitwise_equal(replicas[2]->buffers()[i], before[i]));
+}
+
+namespace {
+
+/// A bfloat16 body and a float head.
+struct MixedImpl : torch::nn::Cloneable<MixedImpl> {
+  MixedImpl() { reset(); }
+  void reset() override {
+    body = register_module("body", torch::nn::Linear(6, 8));
+    body->to(torch::kBFloat16);
+    head = register_module("head", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(torch::relu(body(x.to(torch::kBFloat16))).to(torch::kFloat));
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Mixed);
+
+std::vector<Mixed> mixed_replicas(std::size_t k_count, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Mixed model;
+  std::vector<Mixed> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<MixedImpl>(model->clone()));
+  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
+  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto first = static_cast<std::int64_t>(8 * k);
+    const auto rows = torch::indexing::Slice(first, first + 8);
+    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
+  }
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("a bfloat16 body and a float head: each dtype averaged in a call of its own") {
+  for (std::size_t threads : {1u, 2u}) {
+    INFO("threads " << threads);
+    auto replicas = mixed_replicas(3, 97);
+    REQUIRE(replicas[0]->body->weight.grad().scalar_type() == at::kBFloat16);
+    REQUIRE(replicas[0]->head->weight.grad().scalar_type() == at::kFloat);
+    // References: each dtype's own call through the span path, and torch's double mean.
+    towers_t body(3), head(3);
+    for (std::size_t k = 0; k < 3; ++k)
+      for (const auto& p : replicas[k]->named_parameters())
+        (p.value().scalar_type() == at::kBFloat16 ? body : head)[k].emplace_back(p.value().grad().clone(), p.key());
+    const auto want_body = span_path<Eigen::bfloat16, Eigen::bfloat16>(body, {});
+    const auto want_head = span_path<float, float>(head, {});
+    const auto sb = gradavg::average_gradients(body, {.statistics = true}).report;
+    const auto sh = gradavg::average_gradients(head, {.statistics = true}).report;
+
+    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
+    CHECK(r.report.averaged == 4);
+    CHECK(r.report.towers == 3);
+    CHECK(r.report.sum_mean_squared == sb.sum_mean_squared + sh.sum_mean_squared);
+    CHECK(r.report.sum_mean_of_squares == sb.sum_mean_of_squares + sh.sum_mean_of_squares);
+    for (std::size_t i = 0; i < 2; ++i) {
+      const at::Tensor gb = replicas[0]->body->parameters()[i].grad(), gh = replicas[0]->head->parameters()[i].grad();
+      CHECK(gradavg_test::same_bits(static_cast<const Eigen::bfloat16*>(gb.data_ptr()), want_body[i].data(),
+                                    want_body[i].size()));
+      CHECK(gradavg_test::same_bits(static_cast<const float*>(gh.data_ptr()), want_head[i].data(),
+                                    want_head[i].size()));
+      const at::Tensor rb = reference_mean(body, i), rh = reference_mean(head, i);
+      CHECK((gb.to(at::kDouble) - rb).abs().max().item<double>() <= 0x1p-7 * rb.abs().max().item<double>());
+      CHECK((gh.to(at::kDouble) - rh).abs().max().item<double>() <= 1e-6 * rh.abs().max().item<double>());
+      for (std::size_t k = 1; k < 3; ++k) {
+        CHECK(bitwise_equal(replicas[k]->body->parameters()[i].grad(), gb));
+        CHECK(bitwise_equal(replicas[k]->head->parameters()[i].grad(), gh));
+      }
+    }
+  }
+}
+
+TEST_CASE("a bfloat16 body and a float head: an error in the second dtype's call leaves every replica as it was") {
+  auto replicas = mixed_replicas(3, 101);
+  std::vector<at::Tensor> before;
+  for (const auto& m : replicas)
+    for (const auto& p : m->parameters()) before.push_back(p.grad().clone());
+  replicas[1]->head->bias.mutable_grad() = at::Tensor();
+  const auto e = gradavg_test::exception_of<gradavg::missing_gradient_error>(
+      [&] { gradavg::libtorch::average_module_gradients(replicas); });
+  CHECK(gradavg_test::contains(e.what(), "'head.bias': gradient missing on tower 1"));
+  std::size_t j = 0;
+  for (const auto& m : replicas)
+    for (const auto& p : m->parameters()) {
+      const at::Tensor g = p.grad();
+      if (g.defined()) CHECK(bitwise_equal(g, before[j]));
+      ++j;
+    }
+  gradavg::options range_opts;
+  range_opts.range = {0, 10};
+  CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(replicas, range_opts), gradavg::option_error);
 }

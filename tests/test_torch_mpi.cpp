@@ -349,3 +349,276 @@ TEST_CASE("a null replica on one rank: tower_error there, remote_error elsewhere
   for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
   CHECK(same_on_every_rank(42));
 }
+
+namespace {
+
+/// A body and two heads; the aux head takes part in the loss only where asked.
+struct TwoHeadsImpl : torch::nn::Cloneable<TwoHeadsImpl> {
+  TwoHeadsImpl() { reset(); }
+  void reset() override {
+    body = register_module("body", torch::nn::Linear(6, 8));
+    head = register_module("head", torch::nn::Linear(8, 3));
+    aux = register_module("aux", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_aux) {
+    const torch::Tensor h = torch::relu(body(x));
+    return use_aux ? head(h) + aux(h) : head(h);
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr}, aux{nullptr};
+};
+TORCH_MODULE(TwoHeads);
+
+/// Every rank's replicas of one TwoHeads (all of them, on every rank), each with the gradient of
+/// its own 8 rows; the aux head takes part on the towers below aux_towers only.
+std::vector<TwoHeads> all_two_heads(std::uint64_t seed, std::size_t aux_towers) {
+  torch::manual_seed(seed);
+  TwoHeads model;
+  const std::size_t k_count = total_towers();
+  std::vector<TwoHeads> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<TwoHeadsImpl>(model->clone()));
+  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
+  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto first = static_cast<std::int64_t>(8 * k);
+    const auto rows = torch::indexing::Slice(first, first + 8);
+    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows}), k < aux_towers), y.index({rows})).backward();
+  }
+  return r;
+}
+
+/// Per parameter, the mean over all towers in double, a missing gradient counted as zeros.
+std::vector<at::Tensor> mean_with_zeros(const std::vector<TwoHeads>& all) {
+  std::vector<at::Tensor> want;
+  for (std::size_t i = 0; i < all[0]->parameters().size(); ++i) {
+    std::vector<at::Tensor> g;
+    for (const auto& m : all) {
+      const at::Tensor p = m->parameters()[i];
+      g.push_back(p.grad().defined() ? p.grad().to(at::kDouble) : torch::zeros_like(p, torch::dtype(at::kDouble)));
+    }
+    want.push_back(torch::stack(g).mean(0));
+  }
+  return want;
+}
+
+std::vector<TwoHeads> local_of(const std::vector<TwoHeads>& all) {
+  const std::size_t r = world_rank();
+  return std::vector<TwoHeads>(all.begin() + static_cast<std::ptrdiff_t>(first_tower(r)),
+                               all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
+}
+
+std::vector<at::Tensor> gradients_of(const TwoHeads& m) {
+  std::vector<at::Tensor> g;
+  for (const auto& p : m->parameters()) g.push_back(p.grad());
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("absent_as_zeros across ranks: the aux head's gradient absent on the last rank's replicas only") {
+  const std::size_t last = world_size() - 1;
+  auto all = all_two_heads(73, first_tower(last));  // the last rank's towers leave the aux head out
+  const auto want = mean_with_zeros(all);
+  auto local = local_of(all);
+  std::vector<std::uint64_t> before;
+  for (const auto& m : local) before.push_back(hash_of(gradients_of(m)));
+  SECTION("by default: missing_gradient_error on every rank, nothing written") {
+    const std::string m = exception_of<gradavg::missing_gradient_error>([&] {
+                            gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local);
+                          }).what();
+    CHECK(contains(m, "'aux.weight': gradient missing on rank " + std::to_string(last)));
+    for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
+  }
+  SECTION("absent_as_zeros: zeros in their place, every replica of every rank holds the mean") {
+    const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.absent_as_zeros = true});
+    CHECK(r.report.averaged == 6);
+    CHECK(r.report.towers == total_towers());
+    CHECK(r.skipped.empty());
+    CHECK(r.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
+    const auto g0 = gradients_of(local[0]);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      INFO("parameter " << i);
+      REQUIRE(g0[i].defined());
+      CHECK((g0[i].to(at::kDouble) - want[i]).abs().max().item<double>() <= 1e-6 * want[i].abs().max().item<double>());
+    }
+    for (const auto& m : local) CHECK(hash_of(gradients_of(m)) == hash_of(g0));
+    CHECK(same_on_every_rank(hash_of(g0)));
+  }
+  SECTION("absent_as_zeros set on rank 0 only: option_error on every rank, nothing written") {
+    const std::string m = exception_of<gradavg::option_error>([&] {
+                            gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {},
+                                                                        {.absent_as_zeros = world_rank() == 0});
+                          }).what();
+    CHECK(contains(m, "absent_as_zeros is set on some ranks but not on others"));
+    for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
+  }
+  CHECK(same_on_every_rank(42));
+}
+
+TEST_CASE("absent_as_zeros across ranks: a gradient absent on every replica of every rank is skipped") {
+  auto all = all_two_heads(79, 0);
+  const auto want = mean_with_zeros(all);
+  auto local = local_of(all);
+  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.absent_as_zeros = true});
+  CHECK(r.report.averaged == 4);
+  CHECK(r.skipped == std::vector<std::string>{"aux.weight", "aux.bias"});
+  CHECK(r.zero_filled.empty());
+  for (const auto& m : local) CHECK(!m->aux->weight.grad().defined());
+  const at::Tensor g = local[0]->head->weight.grad();
+  CHECK((g.to(at::kDouble) - want[2]).abs().max().item<double>() <= 1e-6 * want[2].abs().max().item<double>());
+  CHECK(same_on_every_rank(hash_of(gradients_of(local[0]))));
+}
+
+namespace {
+
+/// A linear layer, batch normalisation (running_mean, running_var, num_batches_tracked) and a head.
+struct BatchNormNetImpl : torch::nn::Cloneable<BatchNormNetImpl> {
+  explicit BatchNormNetImpl(std::int64_t width = 8) : width(width) { reset(); }
+  void reset() override {
+    fc = register_module("fc", torch::nn::Linear(6, width));
+    bn = register_module("bn", torch::nn::BatchNorm1d(width));
+    head = register_module("head", torch::nn::Linear(width, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(bn(fc(x))); }
+  std::int64_t width;
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BatchNormNet);
+
+/// Rank r's r + 1 replicas as that rank builds them (any rank can rebuild them): a model of its
+/// own seed, every replica's parameters perturbed and its running statistics from its own data.
+std::vector<BatchNormNet> rank_replicas(std::size_t r, std::int64_t width = 8) {
+  torch::manual_seed(1000 + r);
+  BatchNormNet model(width);
+  std::vector<BatchNormNet> replicas{model};
+  for (std::size_t k = 1; k <= r; ++k)
+    replicas.push_back(std::dynamic_pointer_cast<BatchNormNetImpl>(model->clone()));
+  torch::NoGradGuard no_grad;
+  for (std::size_t k = 0; k <= r; ++k) {
+    for (auto& p : replicas[k]->parameters()) p.add_(torch::randn_like(p), 0.1);
+    replicas[k]->forward(torch::randn({16, 6}) * static_cast<double>(k + 1));
+  }
+  return replicas;
+}
+
+at::Tensor eval_output(BatchNormNet& m, const at::Tensor& x) {
+  m->eval();
+  torch::NoGradGuard no_grad;
+  return m->forward(x);
+}
+
+std::uint64_t state_hash(const BatchNormNet& m) {
+  std::vector<at::Tensor> all = m->parameters();
+  for (const auto& b : m->buffers()) all.push_back(b);
+  return hash_of(all);
+}
+
+}  // namespace
+
+TEST_CASE("broadcast_parameters and broadcast_buffers across ranks: every replica computes root's eval() outputs") {
+  for (const std::size_t root : {std::size_t{0}, world_size() - 1}) {
+    INFO("root " << root);
+    auto local = rank_replicas(world_rank());
+    const at::Tensor x = torch::randn({5, 6});
+    // The reference: root's replica 0, rebuilt on this rank.
+    auto reference = rank_replicas(root);
+    const at::Tensor want = eval_output(reference[0], x);
+    for (std::size_t k = 0; k < local.size(); ++k)
+      if (world_rank() != root || k != 0) CHECK(!torch::equal(eval_output(local[k], x), want));
+    gradavg::libtorch::broadcast_parameters(MPI_COMM_WORLD, local, static_cast<int>(root));
+    gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, local, static_cast<int>(root));
+    for (auto& m : local) {
+      CHECK(state_hash(m) == state_hash(reference[0]));
+      const at::Tensor got = eval_output(m, x);
+      CHECK(hash_of({got}) == hash_of({want}));
+    }
+    CHECK(same_on_every_rank(state_hash(local[0])));
+  }
+}
+
+TEST_CASE("broadcast_buffers across ranks: a rank whose model differs is an error on every rank, nothing written") {
+  const std::size_t last = world_size() - 1;
+  SECTION("another width on the last rank: variable_mismatch_error on every rank") {
+    auto local = rank_replicas(world_rank(), world_rank() == last ? 5 : 8);
+    std::vector<std::uint64_t> before;
+    for (const auto& m : local) before.push_back(state_hash(m));
+    const std::string m = exception_of<gradavg::variable_mismatch_error>([&] {
+                            gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, local);
+                          }).what();
+    CHECK(contains(m, "the ranks' replicas hold different buffers"));
+    for (std::size_t k = 0; k < local.size(); ++k) CHECK(state_hash(local[k]) == before[k]);
+  }
+  SECTION("a null replica on the last rank: tower_error there, remote_error elsewhere") {
+    auto local = rank_replicas(world_rank());
+    std::vector<torch::nn::Module*> modules;
+    for (auto& m : local) modules.push_back(m.get());
+    if (world_rank() == last) modules.back() = nullptr;
+    auto call = [&] { gradavg::libtorch::broadcast_parameters(MPI_COMM_WORLD, std::span(modules)); };
+    if (world_rank() == last)
+      CHECK(contains(exception_of<gradavg::tower_error>(call).what(), "is null"));
+    else
+      CHECK(contains(exception_of<gradavg::remote_error>(call).what(), "rank " + std::to_string(last)));
+  }
+  CHECK(same_on_every_rank(42));
+}
+
+namespace {
+
+/// A bfloat16 body and a float head.
+struct MixedImpl : torch::nn::Cloneable<MixedImpl> {
+  MixedImpl() { reset(); }
+  void reset() override {
+    body = register_module("body", torch::nn::Linear(6, 8));
+    body->to(torch::kBFloat16);
+    head = register_module("head", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return head(torch::relu(body(x.to(torch::kBFloat16))).to(torch::kFloat));
+  }
+  torch::nn::Linear body{nullptr}, head{nullptr};
+};
+TORCH_MODULE(Mixed);
+
+}  // namespace
+
+TEST_CASE("a bfloat16 body and a float head across ranks: each dtype in a call of its own, the same on every rank") {
+  torch::manual_seed(103);
+  Mixed model;
+  const std::size_t k_count = total_towers();
+  std::vector<Mixed> all{model};
+  for (std::size_t k = 1; k < k_count; ++k) all.push_back(std::dynamic_pointer_cast<MixedImpl>(model->clone()));
+  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
+  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto first = static_cast<std::int64_t>(8 * k);
+    const auto rows = torch::indexing::Slice(first, first + 8);
+    torch::nn::functional::cross_entropy(all[k]->forward(x.index({rows})), y.index({rows})).backward();
+  }
+  std::vector<at::Tensor> want;
+  for (std::size_t i = 0; i < 4; ++i) {
+    std::vector<at::Tensor> g;
+    for (const auto& m : all) g.push_back(m->parameters()[i].grad().to(at::kDouble));
+    want.push_back(torch::stack(g).mean(0));
+  }
+  const std::size_t r = world_rank();
+  std::vector<Mixed> local(all.begin() + static_cast<std::ptrdiff_t>(first_tower(r)),
+                           all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
+  const auto report = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local);
+  CHECK(report.report.averaged == 4);
+  CHECK(report.report.towers == k_count);
+  std::vector<at::Tensor> g0;
+  for (std::size_t i = 0; i < 4; ++i) {
+    INFO("parameter " << i);
+    g0.push_back(local[0]->parameters()[i].grad());
+    CHECK(g0[i].scalar_type() == (i < 2 ? at::kBFloat16 : at::kFloat));
+    const double tolerance = i < 2 ? 0x1p-7 : 1e-6;
+    const double error = (g0[i].to(at::kDouble) - want[i]).abs().max().item<double>();
+    CHECK(error <= tolerance * want[i].abs().max().item<double>());
+  }
+  for (const auto& m : local) {
+    std::vector<at::Tensor> g;
+    for (const auto& p : m->parameters()) g.push_back(p.grad());
+    CHECK(hash_of(g) == hash_of(g0));
+  }
+  CHECK(same_on_every_rank(hash_of(g0)));
+}

@@ -4,24 +4,36 @@
 //
 // torch::Tensor (at::Tensor) as a tensor (tensor.hpp), with a run-time element type:
 //   - undefined (a parameter that took no part in the loss: grad() undefined) = absent;
-//   - CPU, strided (dense) and contiguous, of dtype float, double, half or bfloat16 (at::kHalf is
-//     read as Eigen::half, at::kBFloat16 as Eigen::bfloat16: the same bit layouts); outputs of
-//     the gradients' dtype, or float for half and bfloat16;
+//   - CPU, strided layout, non-overlapping and dense (is_non_overlapping_and_dense(): contiguous,
+//     channels_last, or any other permutation of the dimensions), of dtype float, double, half or
+//     bfloat16 (at::kHalf is read as Eigen::half, at::kBFloat16 as Eigen::bfloat16: the same bit
+//     layouts); outputs of the gradients' dtype, or float for half and bfloat16;
+//   - read as the dense array its memory holds: data() is data_ptr(), the lowest address (libtorch
+//     has no negative strides), and the shape is its memory-order shape (memory_order_shape
+//     below): a channels_last NCHW tensor reads as row-major [N, H, W, C]. Tensors of one memory
+//     order agree with each other; a gradient or output of another memory order is a shape_error
+//     (output_error) naming both memory-order shapes: its elements lie in another order;
 //   - anything else is gradavg's error naming the variable and the tower: another dtype
 //     (element_type_error), another device or a sparse tensor (unsupported_tensor_error), a
-//     non-contiguous tensor (shape_error; output_error for an output), more than 8 dimensions
-//     (shape_error). One call reads one dtype (tensor.hpp); mixing them is element_type_error.
-//   - The allocating API returns CPU tensors of the gradients' dtype.
+//     strided tensor with gaps or overlaps (shape_error "not contiguous (strided)"; output_error
+//     for an output), more than 8 dimensions (shape_error). One call reads one dtype (tensor.hpp);
+//     mixing them is element_type_error (the module helpers group parameters by dtype instead).
+//   - The allocating API returns contiguous CPU tensors of the gradients' dtype and memory-order
+//     shape (a channels_last gradient's mean as [N, H, W, C]).
 // torch::Tensor as a variable: the same TensorImpl on every tower (a shared parameter); printed
 // as its dtype and sizes, never its elements. Replicas that hold parameters of their own are
-// averaged through names: average_module_gradients below.
+// averaged through names: average_module_gradients below; broadcast_parameters and
+// broadcast_buffers copy replica 0's parameters and buffers into the others.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <memory>
 #include <ostream>
@@ -32,6 +44,10 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #include "average.hpp"
 #include "detail/isa.hpp"
@@ -67,6 +83,28 @@ inline element_type element_of(at::ScalarType s) {
                            "; gradavg reads Float, Double, Half and BFloat16 tensors");
 }
 
+/// The sizes of t in the order its elements lie in memory, as gradavg compares and copies them:
+/// t's own sizes when t is contiguous, or when it is not dense (the tensor is then rejected as
+/// strided) or empty; otherwise its dimensions of extent 1 (whose strides say nothing) in their
+/// order, then the others by decreasing stride. So two dense tensors of the same sizes have the
+/// same memory-order shape exactly when their elements lie in the same order. Throws shape_error
+/// for more than shape::max_rank dimensions.
+inline shape memory_order_shape(const at::Tensor& t) {
+  const auto sizes = t.sizes();
+  shape s = shape::from_dims(std::span<const std::int64_t>(sizes.data(), sizes.size()));
+  if (t.numel() == 0 || t.is_contiguous() || !t.is_non_overlapping_and_dense()) return s;
+  const auto strides = t.strides();
+  std::array<std::size_t, shape::max_rank> order{};
+  for (std::size_t d = 0; d < s.rank; ++d) order[d] = d;
+  const auto first = order.begin();
+  std::stable_sort(first, first + static_cast<std::ptrdiff_t>(s.rank), [&](std::size_t a, std::size_t b) {
+    if ((sizes[a] == 1) != (sizes[b] == 1)) return sizes[a] == 1;
+    return sizes[a] != 1 && strides[a] > strides[b];
+  });
+  for (std::size_t d = 0; d < s.rank; ++d) s.dims[d] = sizes[order[d]];
+  return s;
+}
+
 inline at::ScalarType scalar_type_of(element_type e) noexcept {
   switch (e) {
     case element_type::float64: return at::kDouble;
@@ -97,11 +135,10 @@ struct tensor_traits<at::Tensor> {
     torch_detail::check_readable(t);
     return t.data_ptr();
   }
-  static gradavg::shape shape(const at::Tensor& t) {
-    const auto sizes = t.sizes();
-    return gradavg::shape::from_dims(std::span<const std::int64_t>(sizes.data(), sizes.size()));
-  }
-  static bool contiguous(const at::Tensor& t) { return t.is_contiguous(); }
+  /// The memory-order shape (torch_detail::memory_order_shape).
+  static gradavg::shape shape(const at::Tensor& t) { return torch_detail::memory_order_shape(t); }
+  /// Dense: no gaps, no overlaps, in any memory order.
+  static bool contiguous(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
   static result_type make(const gradavg::shape& s, element_type e) {
     return at::empty(at::IntArrayRef(s.dims.data(), s.rank), at::TensorOptions().dtype(torch_detail::scalar_type_of(e)));
   }
@@ -128,6 +165,19 @@ struct variable_traits<at::Tensor> {
 
 namespace libtorch {
 
+/// How the module helpers treat parameters, besides gradavg::options.
+struct module_options {
+  /// A parameter with a gradient on some replicas only (on the others grad() is undefined or
+  /// requires_grad is false). false (the default): missing_gradient_error. true: as
+  /// DistributedDataParallel does, the missing gradients count as zeros (the mean is the sum of
+  /// the present ones over the replica count, or over the weight sum), every replica receives the
+  /// mean, and a replica without a gradient gets a new one, laid out as the parameter
+  /// (at::zeros_like), attached only once the call has succeeded. Listed in
+  /// module_report::zero_filled. A parameter without a gradient on every replica is skipped either
+  /// way.
+  bool absent_as_zeros = false;
+};
+
 /// What average_module_gradients did.
 struct module_report {
   /// Counts and fused statistics of the call (average.hpp). report.towers is the replica count.
@@ -135,6 +185,9 @@ struct module_report {
   /// Parameters left alone because no replica has a gradient for them: requires_grad false (frozen)
   /// or grad() undefined (took no part in the loss) on every replica. In named_parameters() order.
   std::vector<std::string> skipped;
+  /// Parameters averaged with zeros in place of the gradients some replicas lack
+  /// (module_options::absent_as_zeros). In named_parameters() order.
+  std::vector<std::string> zero_filled;
 };
 
 namespace detail {
@@ -150,17 +203,133 @@ template <class M>
     return m.get();
 }
 
+/// Which parameters have a gradient on some replica, and which lack one on some replica: bit i % 64
+/// of word i / 64 for parameter i. known: false where the replicas could not be read or list
+/// different parameter counts (validation then reports it).
+struct presence {
+  bool known = false;
+  std::size_t parameters = 0;
+  std::vector<std::uint64_t> present, absent;
+  /// FNV-1a of replica 0's parameters' dtypes in order (0 where not known).
+  std::uint64_t dtypes = 0;
+
+  static bool has(const std::vector<std::uint64_t>& bits, std::size_t i) noexcept {
+    return ((bits[i / 64] >> (i % 64)) & 1u) != 0;
+  }
+  static void set(std::vector<std::uint64_t>& bits, std::size_t i) noexcept {
+    bits[i / 64] |= std::uint64_t{1} << (i % 64);
+  }
+};
+
+/// Copies bytes from `from` to `to`; with stream, through non-temporal stores where the target has
+/// them (SSE2), which bypass the caches (the caller's chunk ends with a store fence).
+inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, bool stream) noexcept {
+#if defined(__SSE2__)
+  if (stream && bytes >= 256) {
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(to) % 16) % 16;
+    std::memcpy(to, from, head);
+    std::size_t i = head;
+    for (; i + 64 <= bytes; i += 64)
+      for (std::size_t j = 0; j < 64; j += 16)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + j),
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + j)));
+    std::memcpy(to + i, from + i, bytes - i);
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  std::memcpy(to, from, bytes);
+}
+
+/// Copies each defined means[i] into tg[k][i] for k = first..K-1, byte for byte (validation made their
+/// memory-order shapes and dtype equal, so the bytes lie in the same order), on the executor opts
+/// name: the means' bytes, as one flat range, split into chunks as the averaging splits its
+/// elements, each chunk copying blocks small enough to stay in cache into every replica in turn
+/// (each mean is read from memory once), through non-temporal stores with options.streaming_stores.
+/// An exception from the executor propagates, the copies then partly done.
+template <class TG>
+void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::size_t first_replica,
+                      const options& opts) {
+  constexpr std::size_t block = std::size_t{64} << 10;
+  const bool stream = opts.streaming_stores;
+  struct segment {
+    const std::byte* from;
+    std::size_t begin, end;   // its bytes' place in the flat range of all copied means
+    std::size_t first, last;  // its destinations: to[first, last)
+  };
+  std::vector<segment> segments;
+  std::vector<std::byte*> to;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < means.size(); ++i) {
+    if (!means[i].defined() || means[i].nbytes() == 0) continue;
+    const auto* from = static_cast<const std::byte*>(means[i].data_ptr());
+    const std::size_t first = to.size();
+    for (std::size_t k = first_replica; k < tg.size(); ++k) {
+      auto* p = static_cast<std::byte*>(tg[k][i].first.data_ptr());
+      if (p != from) to.push_back(p);  // else a parameter shared between replicas
+    }
+    if (to.size() == first) continue;
+    segments.push_back({from, total, total + means[i].nbytes(), first, to.size()});
+    total += means[i].nbytes();
+  }
+  // Each byte is read once and written once per destination replica.
+  const std::size_t chunks = gradavg::detail::chunk_count(total, std::max<std::size_t>(1, tg.size()), opts);
+  auto chunk = [&](std::size_t c) {
+    std::size_t begin = total / chunks * c + std::min(c, total % chunks);
+    const std::size_t end = begin + total / chunks + (c < total % chunks ? 1 : 0);
+    auto s = std::upper_bound(segments.begin(), segments.end(), begin,
+                              [](std::size_t b, const segment& x) { return b < x.end; });
+    for (; begin < end; ++s) {
+      const std::size_t stop = std::min(end, s->end);
+      for (std::size_t at = begin - s->begin; at < stop - s->begin; at += block) {
+        const std::size_t bytes = std::min(block, stop - s->begin - at);
+        for (std::size_t d = s->first; d < s->last; ++d) copy_bytes(to[d] + at, s->from + at, bytes, stream);
+      }
+      begin = stop;
+    }
+#if defined(__SSE2__)
+    if (stream) _mm_sfence();
+#endif
+  };
+  gradavg::detail::run_chunks(chunks, chunk, opts);
+}
+
+/// The indices of the parameters of each dtype, the dtypes in order of first appearance.
+inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::OrderedDict<std::string, at::Tensor>& params) {
+  std::vector<at::ScalarType> dtypes;
+  std::vector<std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const at::ScalarType t = params[i].value().scalar_type();
+    const auto g = static_cast<std::size_t>(std::find(dtypes.begin(), dtypes.end(), t) - dtypes.begin());
+    if (g == dtypes.size()) {
+      dtypes.push_back(t);
+      groups.emplace_back();
+    }
+    groups[g].push_back(i);
+  }
+  return groups;
+}
+
 /// The replicas' parameters as towers of (gradient, name) entries, averaged by
-/// average(towers, means, prior) in place into replica 0's gradients, then copied to the other
-/// replicas. prior: what gathering the entries threw (a null replica, an allocation), for the
-/// averaging call to rethrow, after agreeing on it with the other processes where there are any.
-template <class Average>
-module_report average_replicas(std::span<::torch::nn::Module* const> replicas, Average&& average) {
+/// average(towers, means, prior, per_variable) in place into replica 0's gradients, then copied to
+/// the other replicas on opts' executor; parameters of several dtypes (the same on every process:
+/// agree leaves presence unknown otherwise) in one call per dtype, into outputs of their own,
+/// copied into every replica once every call has succeeded (an error in any call leaves every
+/// replica as it was). prior: what gathering the entries threw (a null replica, an
+/// allocation), for the averaging call to rethrow, after agreeing on it with the other processes
+/// where there are any. agree(presence&, mopts): makes the replicas' presence that of every
+/// replica of every process (a no-op in one process), or unknown where the processes' parameter
+/// counts or dtypes differ; called on every call, known or not.
+template <class Agree, class Average>
+module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
+                               const module_options& mopts, Agree&& agree, Average&& average) {
   const std::size_t k_count = replicas.size();
   // named_parameters() holds the names; the entries view them.
   std::vector<::torch::OrderedDict<std::string, at::Tensor>> params;
   std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg;
   std::vector<at::Tensor> means;
+  presence seen;
   std::exception_ptr prior;
   try {
     for (std::size_t k = 0; k < k_count; ++k)
@@ -180,20 +349,109 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, A
       means.reserve(tg[0].size());
       for (const auto& e : tg[0]) means.push_back(e.first);
     }
+    if (k_count > 0 && std::all_of(tg.begin(), tg.end(), [&](const auto& t) { return t.size() == tg[0].size(); })) {
+      seen.parameters = tg[0].size();
+      seen.present.assign((seen.parameters + 63) / 64, 0);
+      seen.absent.assign(seen.present.size(), 0);
+      for (const auto& tower : tg)
+        for (std::size_t i = 0; i < seen.parameters; ++i)
+          presence::set(tower[i].first.defined() ? seen.present : seen.absent, i);
+      seen.dtypes = 1469598103934665603ull;
+      for (const auto& item : params[0])
+        seen.dtypes = (seen.dtypes ^ static_cast<std::uint64_t>(item.value().scalar_type())) * 1099511628211ull;
+      seen.known = true;
+    }
   } catch (...) {
     prior = std::current_exception();
     tg.clear();
     means.clear();
+    seen = presence{};
   }
+  agree(seen, mopts);
+  // absent_as_zeros: a zero gradient for every replica that lacks one, attached after success.
+  struct fill {
+    std::size_t replica, parameter;
+  };
+  std::vector<fill> fills;
   module_report result;
-  result.report = average(tg, means, prior);
-  for (std::size_t i = 0; i < means.size(); ++i) {
-    if (!means[i].defined()) {
-      result.skipped.emplace_back(tg[0][i].second);
-      continue;
+  if (mopts.absent_as_zeros && seen.known && !prior) {
+    try {
+      for (std::size_t i = 0; i < seen.parameters; ++i) {
+        if (!presence::has(seen.present, i) || !presence::has(seen.absent, i)) continue;
+        result.zero_filled.emplace_back(tg[0][i].second);
+        for (std::size_t k = 0; k < k_count; ++k) {
+          if (tg[k][i].first.defined()) continue;
+          tg[k][i].first = at::zeros_like(params[k][i].value());
+          if (k == 0) means[i] = tg[0][i].first;
+          fills.push_back({k, i});
+        }
+      }
+    } catch (...) {
+      prior = std::current_exception();
+      tg.clear();
+      means.clear();
+      fills.clear();
+      result.zero_filled.clear();
     }
-    for (std::size_t k = 1; k < k_count; ++k) tg[k][i].first.copy_(means[i]);
   }
+  // Parameters of several dtypes: one call per dtype (in order of first appearance), each into
+  // outputs of its own, copied into every replica once every call has succeeded.
+  std::vector<std::vector<std::size_t>> groups;
+  if (seen.known && !prior && k_count > 0) {
+    try {
+      groups = dtype_groups(params[0]);
+      if (groups.size() > 1) {
+        if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+          throw option_error("gradavg::libtorch: options.range with parameters of several dtypes (each dtype is "
+                             "averaged in a call of its own); pass the whole range");
+        if (!opts.per_variable.empty() && opts.per_variable.size() != seen.parameters)
+          throw option_error("gradavg: options.per_variable holds " + std::to_string(opts.per_variable.size()) +
+                             " entries but the replicas hold " + std::to_string(seen.parameters) +
+                             " parameters; pass one per parameter or none");
+      }
+    } catch (...) {
+      prior = std::current_exception();
+      groups.clear();
+    }
+  }
+  if (groups.size() <= 1) {
+    result.report = average(tg, means, prior, opts.per_variable);
+  } else {
+    std::vector<at::Tensor> outputs(means.size());
+    for (std::size_t i = 0; i < means.size(); ++i)
+      if (means[i].defined()) outputs[i] = at::empty_like(means[i]);
+    std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> group_tg(k_count);
+    std::vector<at::Tensor> group_outputs;
+    std::vector<variable_statistics> group_statistics;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (std::size_t k = 0; k < k_count; ++k) {
+        group_tg[k].clear();
+        for (const std::size_t i : groups[g]) group_tg[k].push_back(tg[k][i]);
+      }
+      group_outputs.clear();
+      group_statistics.clear();
+      for (const std::size_t i : groups[g]) {
+        group_outputs.push_back(outputs[i]);
+        if (!opts.per_variable.empty()) group_statistics.push_back(opts.per_variable[i]);
+      }
+      const summary s = average(group_tg, group_outputs, nullptr, std::span<variable_statistics>(group_statistics));
+      for (std::size_t j = 0; j < group_statistics.size(); ++j) opts.per_variable[groups[g][j]] = group_statistics[j];
+      if (g == 0) {
+        result.report = s;
+      } else {
+        result.report.averaged += s.averaged;
+        result.report.skipped += s.skipped;
+        result.report.nonfinite_variables += s.nonfinite_variables;
+        result.report.sum_mean_squared += s.sum_mean_squared;
+        result.report.sum_mean_of_squares += s.sum_mean_of_squares;
+      }
+    }
+    means = std::move(outputs);
+  }
+  for (const auto& f : fills) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
+  for (std::size_t i = 0; i < means.size(); ++i)
+    if (!means[i].defined()) result.skipped.emplace_back(tg[0][i].second);
+  copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, opts);
   return result;
 }
 
@@ -207,17 +465,30 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, A
 /// every replica must list the same names in the same order (variable_mismatch_error, or
 /// tower_error for different counts: towers are replicas). A parameter whose requires_grad is
 /// false counts as having no gradient. A parameter without a gradient on every replica is skipped
-/// and listed in the report; without one on some replicas only, it is missing_gradient_error. The
-/// gradients must be as torch::Tensor gradients (see the file comment): one dtype, CPU, contiguous,
-/// the same shapes. Everything is checked before anything is written. options pass through
+/// and listed in the report; without one on some replicas only, it is missing_gradient_error, or
+/// averaged with zeros in their place with module_options::absent_as_zeros (module_options). The
+/// gradients must be as torch::Tensor gradients (see the file comment): CPU, dense, of the same
+/// memory-order shapes (channels_last gradients are averaged as such), each of its parameter's
+/// dtype. Parameters of several dtypes (a bfloat16 body and a float head) are averaged one dtype
+/// per call, in order of first appearance, into outputs of their own that are copied into every
+/// replica once every call has succeeded (so an error leaves every replica as it was); the
+/// report sums the calls' counts and statistics; options.range must then cover everything
+/// (option_error). Everything is checked before anything is written. options pass through
 /// (threads, the fused statistics); options.per_variable, when given, has one entry per
-/// parameter, skipped ones included. A null replica is a tower_error.
+/// parameter, skipped ones included. The copies into replicas 1..K-1 run on the same executor as
+/// the averaging (options.threads, options.pool), split by bytes, with non-temporal stores under
+/// options.streaming_stores; an exception from it reaches the caller with replica 0 holding the
+/// means and the other replicas partly written. A null replica is a tower_error.
 inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
-                                              const options& opts = {}) {
-  return detail::average_replicas(replicas, [&](const auto& tg, auto& means, std::exception_ptr prior) {
-    if (prior) std::rethrow_exception(prior);
-    return average_gradients_into(tg, means, opts);
-  });
+                                              const options& opts = {}, const module_options& mopts = {}) {
+  return detail::average_replicas(
+      replicas, opts, mopts, [](detail::presence&, const module_options&) {},
+      [&](const auto& tg, auto& means, std::exception_ptr prior, std::span<variable_statistics> per_variable) {
+        if (prior) std::rethrow_exception(prior);
+        options call = opts;
+        call.per_variable = per_variable;
+        return average_gradients_into(tg, means, call);
+      });
 }
 
 /// The same for any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder (the
@@ -227,10 +498,137 @@ template <std::ranges::random_access_range R>
           requires(const std::ranges::range_value_t<R>& m) {
             { detail::module_of(m) } -> std::convertible_to<::torch::nn::Module*>;
           }
-module_report average_module_gradients(const R& replicas, const options& opts = {}) {
+module_report average_module_gradients(const R& replicas, const options& opts = {},
+                                       const module_options& mopts = {}) {
   std::vector<::torch::nn::Module*> modules;
   for (const auto& m : replicas) modules.push_back(detail::module_of(m));
-  return average_module_gradients(std::span<::torch::nn::Module* const>(modules), opts);
+  return average_module_gradients(std::span<::torch::nn::Module* const>(modules), opts, mopts);
+}
+
+namespace detail {
+
+/// Which of a module's tensors a broadcast copies.
+enum class state_kind : std::uint8_t { parameters, buffers };
+
+/// named_parameters() or named_buffers() (recursive) of m.
+inline ::torch::OrderedDict<std::string, at::Tensor> state_of(::torch::nn::Module& m, state_kind kind) {
+  return kind == state_kind::parameters ? m.named_parameters(/*recurse=*/true) : m.named_buffers(/*recurse=*/true);
+}
+
+/// The replicas' parameters or buffers, checked to be alike before anything is copied: every
+/// replica lists the same names in the same order (tower_error for a null replica or another
+/// count, variable_mismatch_error), each tensor defined on every replica or on none, a dense CPU
+/// tensor (unsupported_tensor_error; shape_error for gaps or overlaps) of one dtype
+/// (element_type_error) and one memory-order shape (shape_error) on every replica. Messages name
+/// the tensor (#i 'name') and the replica.
+inline std::vector<::torch::OrderedDict<std::string, at::Tensor>> alike_states(
+    std::span<::torch::nn::Module* const> replicas, state_kind kind) {
+  const char* what = kind == state_kind::parameters ? "parameter" : "buffer";
+  for (std::size_t k = 0; k < replicas.size(); ++k)
+    if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> states;
+  states.reserve(replicas.size());
+  for (auto* m : replicas) states.push_back(state_of(*m, kind));
+  for (std::size_t k = 0; k < states.size(); ++k) {
+    if (states[k].size() != states[0].size())
+      throw tower_error("gradavg: replica " + std::to_string(k) + " holds " + std::to_string(states[k].size()) + " " +
+                        what + "s but replica 0 holds " + std::to_string(states[0].size()));
+    for (std::size_t i = 0; i < states[k].size(); ++i) {
+      const auto& item = states[k][i];
+      const auto& first = states[0][i];
+      const std::string here = std::string(what) + " #" + std::to_string(i) + " '" + first.key() + "'";
+      if (item.key() != first.key())
+        throw variable_mismatch_error(here + ": replica " + std::to_string(k) + " has '" + item.key() +
+                                          "' at this position; every replica must be of one model",
+                                      i);
+      const at::Tensor& t = item.value();
+      if (t.defined() != first.value().defined())
+        throw variable_mismatch_error(here + ": defined on replica " + std::to_string(t.defined() ? k : 0) +
+                                          " but not on replica " + std::to_string(t.defined() ? 0 : k),
+                                      i);
+      if (!t.defined()) continue;
+      try {
+        torch_detail::check_readable(t);
+      } catch (const error& e) {
+        throw unsupported_tensor_error(here + " on replica " + std::to_string(k) + ": " + e.what(), i);
+      }
+      if (!t.is_non_overlapping_and_dense())
+        throw shape_error(here + " on replica " + std::to_string(k) + " is not contiguous (strided)", i);
+      if (t.scalar_type() != first.value().scalar_type())
+        throw element_type_error(here + ": " + c10::toString(t.scalar_type()) + " on replica " + std::to_string(k) +
+                                     " but " + c10::toString(first.value().scalar_type()) + " on replica 0",
+                                 i);
+      const shape sk = torch_detail::memory_order_shape(t), s0 = torch_detail::memory_order_shape(first.value());
+      if (!(sk == s0) || t.sizes() != first.value().sizes())
+        throw shape_error(here + ": replica " + std::to_string(k) + " has sizes " + c10::str(t.sizes()) +
+                              " (memory order " + gradavg::detail::describe_shape(sk) + ") but replica 0 has " +
+                              c10::str(first.value().sizes()) + " (memory order " +
+                              gradavg::detail::describe_shape(s0) + ")",
+                          i);
+    }
+  }
+  return states;
+}
+
+/// Copies every tensor of states[0] into the same tensor of states[1..K-1], byte for byte (alike:
+/// the same bytes in the same order).
+inline void copy_state_to_other_replicas(const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& states) {
+  for (std::size_t k = 1; k < states.size(); ++k)
+    for (std::size_t i = 0; i < states[0].size(); ++i) {
+      const at::Tensor& from = states[0][i].value();
+      const at::Tensor& to = states[k][i].value();
+      if (from.defined() && to.data_ptr() != from.data_ptr() && from.nbytes() != 0)
+        std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
+    }
+}
+
+/// Module* of each element of a range of replicas (Module*, std::shared_ptr<M>, ModuleHolder).
+template <class R>
+std::vector<::torch::nn::Module*> modules_of(const R& replicas) {
+  std::vector<::torch::nn::Module*> modules;
+  for (const auto& m : replicas) modules.push_back(module_of(m));
+  return modules;
+}
+
+}  // namespace detail
+
+/// A range of replicas that is not itself a span of Module*: Module*, std::shared_ptr<M> or a
+/// ModuleHolder.
+template <class R>
+concept replica_range = std::ranges::random_access_range<R> &&
+                        !std::is_convertible_v<const R&, std::span<::torch::nn::Module* const>> &&
+                        requires(const std::ranges::range_value_t<R>& m) {
+                          { detail::module_of(m) } -> std::convertible_to<::torch::nn::Module*>;
+                        };
+
+/// Copies replica 0's buffers (named_buffers(), recursive: BatchNorm's running_mean, running_var
+/// and num_batches_tracked) into every other replica's, in place, byte for byte: after it the
+/// replicas compute the same eval() outputs from the same parameters. Every replica must list the
+/// same buffers, of one dtype and memory-order shape each (detail::alike_states' errors), all
+/// checked before anything is written. Call it between steps (no thread using the replicas).
+inline void broadcast_buffers(std::span<::torch::nn::Module* const> replicas) {
+  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::buffers));
+}
+
+/// The same for the parameters (named_parameters(), recursive, frozen ones included): replica 0's
+/// values into every other replica's, in place (gradients and autograd history untouched), so the
+/// replicas start in sync, as DistributedDataParallel's construction makes them.
+inline void broadcast_parameters(std::span<::torch::nn::Module* const> replicas) {
+  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::parameters));
+}
+
+/// broadcast_buffers for any range of replicas.
+template <replica_range R>
+void broadcast_buffers(const R& replicas) {
+  const auto modules = detail::modules_of(replicas);
+  broadcast_buffers(std::span<::torch::nn::Module* const>(modules));
+}
+
+/// broadcast_parameters for any range of replicas.
+template <replica_range R>
+void broadcast_parameters(const R& replicas) {
+  const auto modules = detail::modules_of(replicas);
+  broadcast_parameters(std::span<::torch::nn::Module* const>(modules));
 }
 
 }  // namespace libtorch

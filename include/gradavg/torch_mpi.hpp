@@ -1,12 +1,16 @@
 // gradavg: libtorch across processes. The gradients of a torch::nn::Module's replicas averaged
-// over every replica of every rank of an MPI communicator (gradavg::mpi), in place. Link the CMake
-// targets gradavg::torch and gradavg::mpi.
+// over every replica of every rank of an MPI communicator (gradavg::mpi), in place, and root's
+// parameters and buffers broadcast to every replica of every rank. Link the CMake targets
+// gradavg::torch and gradavg::mpi.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <ranges>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -16,6 +20,147 @@
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace libtorch {
+namespace detail {
+
+/// Makes the replicas' presence that of every replica of every rank of comm: one MPI_Allreduce of
+/// six words (the maximum and minimum over ranks of absent_as_zeros, of the parameter count, or a
+/// marker where a rank could not read its replicas, and of the fingerprint of the parameters'
+/// dtypes), then, where every rank set absent_as_zeros and knows the same count and dtypes, one
+/// MPI_BOR over the present and one over the absent bits. Allocates nothing between its
+/// collectives, so every rank takes the same branch. absent_as_zeros set on some ranks only is
+/// option_error on every rank. Counts or dtypes that differ (or a rank that could not read its
+/// replicas) leave presence unknown everywhere: no zeros, one averaging call, whose own
+/// agreement names the error.
+inline void agree_presence(MPI_Comm comm, presence& seen, const module_options& mopts) {
+  using gradavg::mpi::mpi_detail::check;
+  gradavg::mpi::mpi_detail::check_communicator(comm);
+  constexpr std::uint64_t unknown = ~std::uint64_t{0} >> 1;
+  const std::uint64_t flag = mopts.absent_as_zeros ? 1 : 0;
+  const std::uint64_t count = seen.known ? seen.parameters : unknown;
+  const std::uint64_t dtypes = seen.known ? seen.dtypes : 0;
+  // MPI_MAX: maxima, and minima through ~.
+  std::uint64_t words[6] = {flag, ~flag, count, ~count, dtypes, ~dtypes};
+  check(MPI_Allreduce(MPI_IN_PLACE, words, 6, MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
+  if (words[0] != ~words[1])
+    throw option_error("gradavg::libtorch: module_options::absent_as_zeros is set on some ranks but not on others; "
+                       "every rank passes the same module_options");
+  if (words[2] != ~words[3] || words[2] == unknown || words[4] != ~words[5]) {
+    seen.known = false;
+    return;
+  }
+  if (flag == 0) return;
+  for (auto* bits : {&seen.present, &seen.absent})
+    check(MPI_Allreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()), MPI_UINT64_T, MPI_BOR, comm),
+          "MPI_Allreduce");
+}
+
+/// FNV-1a of a replica's parameters or buffers as every rank must hold them: names, whether
+/// defined, dtypes, sizes and memory-order shapes.
+inline std::uint64_t state_fingerprint(const ::torch::OrderedDict<std::string, at::Tensor>& state) {
+  using gradavg::mpi::mpi_detail::fnv;
+  std::uint64_t h = fnv("gradavg state", 13);
+  for (const auto& item : state) {
+    h = fnv(item.key().data(), item.key().size() + 1, h);  // with its terminating null
+    const at::Tensor& t = item.value();
+    const std::int64_t d[2] = {t.defined() ? 1 : 0, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1};
+    h = fnv(d, sizeof d, h);
+    if (!t.defined()) continue;
+    const shape s = torch_detail::memory_order_shape(t);
+    const std::int64_t rank = t.dim();
+    h = fnv(&rank, sizeof rank, h);
+    h = fnv(t.sizes().data(), t.sizes().size() * sizeof(std::int64_t), h);
+    h = fnv(s.dims.data(), s.rank * sizeof(std::int64_t), h);
+  }
+  return h;
+}
+
+/// Broadcasts root's replica 0's parameters or buffers to every replica of every rank of comm:
+/// the local checks (alike_states, at least one replica), then one MPI_Allreduce of five words
+/// that every rank enters whatever its checks found (the lowest rank that failed, the maximum and
+/// minimum of the fingerprints and of root), then, when all agree, one MPI_Bcast per defined
+/// tensor of its bytes (in pieces of at most 1 GiB) into replica 0, then the local copies.
+inline void broadcast_state(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas, int root,
+                            state_kind kind) {
+  using gradavg::mpi::mpi_detail::check;
+  gradavg::mpi::mpi_detail::check_communicator(comm);
+  const int rank = gradavg::mpi::mpi_detail::comm_rank(comm);
+  const int ranks = gradavg::mpi::mpi_detail::comm_size(comm);
+  const char* what = kind == state_kind::parameters ? "parameters" : "buffers";
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> states;
+  std::uint64_t fingerprint = 0;
+  std::exception_ptr own;
+  try {
+    if (replicas.empty())
+      throw tower_error("gradavg: no replicas on rank " + std::to_string(rank) + "; every rank passes at least one");
+    states = alike_states(replicas, kind);
+    fingerprint = state_fingerprint(states[0]);
+  } catch (...) {
+    own = std::current_exception();
+  }
+  const auto r = static_cast<std::uint64_t>(static_cast<std::uint32_t>(root));
+  // MPI_MAX: the maxima, and the minima through ~; ~rank of a failed rank gives the lowest.
+  std::uint64_t words[5] = {own ? ~static_cast<std::uint64_t>(rank) : 0, fingerprint, ~fingerprint, r, ~r};
+  check(MPI_Allreduce(MPI_IN_PLACE, words, 5, MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
+  if (own) std::rethrow_exception(own);
+  if (words[0] != 0)
+    throw remote_error("gradavg::libtorch: rank " + std::to_string(~words[0]) + " failed its own checks of its " +
+                       "replicas' " + what + " (see the error thrown there); nothing was written on any rank");
+  if (words[3] != ~words[4])
+    throw option_error(std::string("gradavg::libtorch: the ranks pass different roots to the broadcast of ") + what +
+                       "; every rank passes the same root");
+  if (root < 0 || root >= ranks)
+    throw option_error("gradavg::libtorch: root " + std::to_string(root) + " is not a rank of the communicator (" +
+                       std::to_string(ranks) + " ranks)");
+  if (words[1] != ~words[2])
+    throw variable_mismatch_error(std::string("gradavg::libtorch: the ranks' replicas hold different ") + what +
+                                  " (names, dtypes or sizes differ between ranks); every rank's replicas must be of "
+                                  "one model; nothing was written on any rank");
+  constexpr std::size_t piece = std::size_t{1} << 30;
+  for (const auto& item : states[0]) {
+    const at::Tensor& t = item.value();
+    if (!t.defined()) continue;
+    auto* bytes = static_cast<std::byte*>(t.data_ptr());
+    for (std::size_t at = 0; at < t.nbytes(); at += piece)
+      check(MPI_Bcast(bytes + at, static_cast<int>(std::min(piece, t.nbytes() - at)), MPI_BYTE, root, comm),
+            "MPI_Bcast");
+  }
+  copy_state_to_other_replicas(states);
+}
+
+}  // namespace detail
+
+/// Broadcasts root's replica 0's buffers (named_buffers(), recursive: BatchNorm's running
+/// statistics) to every replica of every rank of comm, in place, byte for byte, in
+/// named_buffers() order. Collective: every rank calls it with the same root. The replicas of
+/// every rank must hold the same buffers (names, dtypes, sizes and memory order): checked within
+/// each rank as broadcast_buffers does and between ranks by a fingerprint, before anything is
+/// written; a rank whose replicas differ gets the error of its own checks (or, between ranks,
+/// variable_mismatch_error), every other rank remote_error or the same error: no rank is left
+/// waiting. Different roots, or a root outside comm, are option_error on every rank.
+inline void broadcast_buffers(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas, int root = 0) {
+  detail::broadcast_state(comm, replicas, root, detail::state_kind::buffers);
+}
+
+/// The same for the parameters (named_parameters(), recursive, frozen ones included): every
+/// replica of every rank starts from root's values, as DistributedDataParallel's construction
+/// broadcasts rank 0's.
+inline void broadcast_parameters(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas, int root = 0) {
+  detail::broadcast_state(comm, replicas, root, detail::state_kind::parameters);
+}
+
+/// broadcast_buffers across ranks for any range of replicas.
+template <replica_range R>
+void broadcast_buffers(MPI_Comm comm, const R& replicas, int root = 0) {
+  const auto modules = detail::modules_of(replicas);
+  broadcast_buffers(comm, std::span<::torch::nn::Module* const>(modules), root);
+}
+
+/// broadcast_parameters across ranks for any range of replicas.
+template <replica_range R>
+void broadcast_parameters(MPI_Comm comm, const R& replicas, int root = 0) {
+  const auto modules = detail::modules_of(replicas);
+  broadcast_parameters(comm, std::span<::torch::nn::Module* const>(modules), root);
+}
 
 /// average_module_gradients across the ranks of comm: each rank passes its own replicas (one or
 /// more; ranks may hold different numbers), and every replica of every rank receives the mean
@@ -23,13 +168,24 @@ namespace libtorch {
 /// parameters are named and checked as in one process, and agreed between ranks as
 /// gradavg::mpi::average_gradients_into agrees on variables: by name, presence and shape, so a
 /// rank whose model differs gets the same error as every other rank, before anything is written.
-/// Collective: every rank of comm calls it with the same options (weights: one per local replica).
+/// Collective: every rank of comm calls it with the same options (weights: one per local replica)
+/// and the same module_options. With module_options::absent_as_zeros, presence is agreed over
+/// every replica of every rank first (detail::agree_presence): a parameter with a gradient on
+/// some replica of some rank is averaged with zeros for every replica of every rank that lacks
+/// one, listed in zero_filled on every rank; one without a gradient anywhere is skipped.
 inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
-                                              const gradavg::mpi::options& opts = {}) {
+                                              const gradavg::mpi::options& opts = {},
+                                              const module_options& mopts = {}) {
   // A rank whose replicas cannot be read takes part in the agreement with its error (prior).
-  return detail::average_replicas(replicas, [&](const auto& tg, auto& means, std::exception_ptr prior) {
-    return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
-  });
+  return detail::average_replicas(
+      replicas, opts, mopts,
+      [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
+      [&](const auto& tg, auto& means, std::exception_ptr prior, std::span<variable_statistics> per_variable) {
+        gradavg::mpi::options call = opts;
+        call.per_variable = per_variable;
+        return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
+                                                      prior);
+      });
 }
 
 /// The same for any range of replicas (Module*, std::shared_ptr<M>, or a ModuleHolder).
@@ -38,10 +194,11 @@ template <std::ranges::random_access_range R>
           requires(const std::ranges::range_value_t<R>& m) {
             { detail::module_of(m) } -> std::convertible_to<::torch::nn::Module*>;
           }
-module_report average_module_gradients(MPI_Comm comm, const R& replicas, const gradavg::mpi::options& opts = {}) {
+module_report average_module_gradients(MPI_Comm comm, const R& replicas, const gradavg::mpi::options& opts = {},
+                                       const module_options& mopts = {}) {
   std::vector<::torch::nn::Module*> modules;
   for (const auto& m : replicas) modules.push_back(detail::module_of(m));
-  return average_module_gradients(comm, std::span<::torch::nn::Module* const>(modules), opts);
+  return average_module_gradients(comm, std::span<::torch::nn::Module* const>(modules), opts, mopts);
 }
 
 }  // namespace libtorch
