@@ -918,3 +918,66 @@ TEST_CASE("a bfloat16 body and a float head: an error in the second dtype's call
   range_opts.range = {0, 10};
   CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(replicas, range_opts), gradavg::option_error);
 }
+
+TEST_CASE("module replicas: options.include_square returns the means of squares, one per parameter") {
+  for (std::size_t threads : {1u, 2u}) {
+    INFO("threads " << threads);
+    auto replicas = replicas_with_gradients(3, 29);
+    towers_t tg(3);
+    for (std::size_t k = 0; k < 3; ++k)
+      for (const auto& p : replicas[k]->named_parameters())
+        if (p.value().grad().defined()) tg[k].emplace_back(p.value().grad().clone(), p.key());
+    const auto want = gradavg::average_gradients(tg, {.include_square = true, .statistics = true});
+
+    const auto r = gradavg::libtorch::average_module_gradients(
+        replicas, {.include_square = true, .threads = threads, .statistics = true});
+    CHECK(r.report.averaged == 4);
+    CHECK(r.report.sum_mean_of_squares == want.report.sum_mean_of_squares);
+    const auto params = replicas[0]->named_parameters();
+    REQUIRE(r.squares.size() == params.size());
+    std::size_t i = 0;
+    for (std::size_t j = 0; j < params.size(); ++j) {
+      INFO(params[j].key());
+      if (!params[j].value().requires_grad()) {
+        CHECK(!r.squares[j].defined());  // skipped
+        continue;
+      }
+      REQUIRE(r.squares[j].defined());
+      CHECK(r.squares[j].sizes() == params[j].value().sizes());
+      CHECK(bitwise_equal(r.squares[j], want.squares[i].first));
+      // torch's own mean of squares, in double.
+      std::vector<at::Tensor> sq;
+      for (const auto& tower : tg) sq.push_back(tower[i].first.to(at::kDouble).square());
+      const at::Tensor ref = torch::stack(sq).mean(0);
+      CHECK((r.squares[j].to(at::kDouble) - ref).abs().max().item<double>() <= 1e-6 * ref.abs().max().item<double>());
+      ++i;
+    }
+  }
+  // Without include_square: no squares.
+  auto replicas = replicas_with_gradients(2, 31);
+  CHECK(gradavg::libtorch::average_module_gradients(replicas).squares.empty());
+}
+
+TEST_CASE("a bfloat16 body and a float head: the means of squares of each dtype") {
+  auto replicas = mixed_replicas(3, 103);
+  towers_t body(3), head(3);
+  for (std::size_t k = 0; k < 3; ++k)
+    for (const auto& p : replicas[k]->named_parameters())
+      (p.value().scalar_type() == at::kBFloat16 ? body : head)[k].emplace_back(p.value().grad().clone(), p.key());
+  const auto want_body = gradavg::average_gradients(body, {.include_square = true});
+  const auto want_head = gradavg::average_gradients(head, {.include_square = true});
+  const auto r = gradavg::libtorch::average_module_gradients(replicas, {.include_square = true});
+  const auto params = replicas[0]->named_parameters();
+  REQUIRE(r.squares.size() == params.size());
+  std::size_t b = 0, h = 0;
+  for (std::size_t j = 0; j < params.size(); ++j) {
+    INFO(params[j].key());
+    CHECK(r.squares[j].scalar_type() == params[j].value().scalar_type());
+    if (params[j].value().scalar_type() == at::kBFloat16)
+      CHECK(bitwise_equal(r.squares[j], want_body.squares[b++].first));
+    else
+      CHECK(bitwise_equal(r.squares[j], want_head.squares[h++].first));
+  }
+  CHECK(b == 2);
+  CHECK(h == 2);
+}

@@ -622,3 +622,29 @@ TEST_CASE("a bfloat16 body and a float head across ranks: each dtype in a call o
   }
   CHECK(same_on_every_rank(hash_of(g0)));
 }
+
+TEST_CASE("module replicas across ranks: options.include_square gives every rank the means of squares over all") {
+  auto all = all_replicas(37);
+  const std::size_t parameter_count = all[0]->parameters().size();
+  std::vector<at::Tensor> want(parameter_count);
+  for (std::size_t i = 0; i < parameter_count; ++i) {
+    std::vector<at::Tensor> g;
+    for (const auto& m : all)
+      if (m->parameters()[i].grad().defined()) g.push_back(m->parameters()[i].grad().to(at::kDouble).square());
+    if (!g.empty()) want[i] = torch::stack(g).mean(0);
+  }
+  auto local = local_replicas(all);
+  gradavg::mpi::options opts;
+  opts.include_square = true;
+  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, opts);
+  CHECK(r.report.averaged == 4);
+  REQUIRE(r.squares.size() == parameter_count);
+  for (std::size_t i = 0; i < parameter_count; ++i) {
+    INFO("parameter " << i);
+    REQUIRE(r.squares[i].defined() == want[i].defined());
+    if (!want[i].defined()) continue;
+    const double error = (r.squares[i].to(at::kDouble) - want[i]).abs().max().item<double>();
+    CHECK(error <= 1e-6 * want[i].abs().max().item<double>());
+  }
+  CHECK(same_on_every_rank(hash_of(r.squares)));
+}

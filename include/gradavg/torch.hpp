@@ -188,6 +188,10 @@ struct module_report {
   /// Parameters averaged with zeros in place of the gradients some replicas lack
   /// (module_options::absent_as_zeros). In named_parameters() order.
   std::vector<std::string> zero_filled;
+  /// With options.include_square: the mean over replicas of each parameter's squared gradient,
+  /// one new tensor per parameter in named_parameters() order (undefined for a skipped one),
+  /// of its gradient's dtype and memory order. Empty without include_square.
+  std::vector<at::Tensor> squares;
 };
 
 namespace detail {
@@ -312,7 +316,8 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 }
 
 /// The replicas' parameters as towers of (gradient, name) entries, averaged by
-/// average(towers, means, prior, per_variable) in place into replica 0's gradients, then copied to
+/// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients (squares:
+/// null, or new tensors for options.include_square, module_report::squares), then copied to
 /// the other replicas on opts' executor; parameters of several dtypes (the same on every process:
 /// agree leaves presence unknown otherwise) in one call per dtype, into outputs of their own,
 /// copied into every replica once every call has succeeded (an error in any call leaves every
@@ -394,6 +399,18 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
       result.zero_filled.clear();
     }
   }
+  // options.include_square: new tensors laid out as the means (the same memory-order shapes).
+  if (opts.include_square && !prior) {
+    try {
+      result.squares.resize(means.size());
+      for (std::size_t i = 0; i < means.size(); ++i)
+        if (means[i].defined()) result.squares[i] = at::empty_like(means[i]);
+    } catch (...) {
+      prior = std::current_exception();
+      result.squares.clear();
+    }
+  }
+  std::vector<at::Tensor>* squares = opts.include_square ? &result.squares : nullptr;
   // Parameters of several dtypes: one call per dtype (in order of first appearance), each into
   // outputs of its own, copied into every replica once every call has succeeded.
   std::vector<std::vector<std::size_t>> groups;
@@ -415,13 +432,13 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
     }
   }
   if (groups.size() <= 1) {
-    result.report = average(tg, means, prior, opts.per_variable);
+    result.report = average(tg, means, squares, prior, opts.per_variable);
   } else {
     std::vector<at::Tensor> outputs(means.size());
     for (std::size_t i = 0; i < means.size(); ++i)
       if (means[i].defined()) outputs[i] = at::empty_like(means[i]);
     std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> group_tg(k_count);
-    std::vector<at::Tensor> group_outputs;
+    std::vector<at::Tensor> group_outputs, group_squares;
     std::vector<variable_statistics> group_statistics;
     for (std::size_t g = 0; g < groups.size(); ++g) {
       for (std::size_t k = 0; k < k_count; ++k) {
@@ -429,12 +446,15 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
         for (const std::size_t i : groups[g]) group_tg[k].push_back(tg[k][i]);
       }
       group_outputs.clear();
+      group_squares.clear();
       group_statistics.clear();
       for (const std::size_t i : groups[g]) {
         group_outputs.push_back(outputs[i]);
+        if (squares) group_squares.push_back(result.squares[i]);
         if (!opts.per_variable.empty()) group_statistics.push_back(opts.per_variable[i]);
       }
-      const summary s = average(group_tg, group_outputs, nullptr, std::span<variable_statistics>(group_statistics));
+      const summary s = average(group_tg, group_outputs, squares ? &group_squares : nullptr, nullptr,
+                                std::span<variable_statistics>(group_statistics));
       for (std::size_t j = 0; j < group_statistics.size(); ++j) opts.per_variable[groups[g][j]] = group_statistics[j];
       if (g == 0) {
         result.report = s;
@@ -474,7 +494,9 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
 /// replica once every call has succeeded (so an error leaves every replica as it was); the
 /// report sums the calls' counts and statistics; options.range must then cover everything
 /// (option_error). Everything is checked before anything is written. options pass through
-/// (threads, the fused statistics); options.per_variable, when given, has one entry per
+/// (threads, the fused statistics: report.global_norm(), clip_coefficient(), noise(); weights,
+/// scale, non-finite policy, range); options.include_square also returns the means of squared
+/// gradients (module_report::squares); options.per_variable, when given, has one entry per
 /// parameter, skipped ones included. The copies into replicas 1..K-1 run on the same executor as
 /// the averaging (options.threads, options.pool), split by bytes, with non-temporal stores under
 /// options.streaming_stores; an exception from it reaches the caller with replica 0 holding the
@@ -483,10 +505,12 @@ inline module_report average_module_gradients(std::span<::torch::nn::Module* con
                                               const options& opts = {}, const module_options& mopts = {}) {
   return detail::average_replicas(
       replicas, opts, mopts, [](detail::presence&, const module_options&) {},
-      [&](const auto& tg, auto& means, std::exception_ptr prior, std::span<variable_statistics> per_variable) {
+      [&](const auto& tg, auto& means, std::vector<at::Tensor>* squares, std::exception_ptr prior,
+          std::span<variable_statistics> per_variable) {
         if (prior) std::rethrow_exception(prior);
         options call = opts;
         call.per_variable = per_variable;
+        if (squares) return average_gradients_into(tg, means, *squares, call);
         return average_gradients_into(tg, means, call);
       });
 }

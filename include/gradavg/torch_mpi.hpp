@@ -180,9 +180,11 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
   return detail::average_replicas(
       replicas, opts, mopts,
       [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
-      [&](const auto& tg, auto& means, std::exception_ptr prior, std::span<variable_statistics> per_variable) {
+      [&](const auto& tg, auto& means, std::vector<at::Tensor>* squares, std::exception_ptr prior,
+          std::span<variable_statistics> per_variable) {
         gradavg::mpi::options call = opts;
         call.per_variable = per_variable;
+        if (squares) return gradavg::mpi::mpi_detail::average_into(comm, tg, means, squares, call, prior);
         return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
                                                       prior);
       });
