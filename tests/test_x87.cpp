@@ -263,7 +263,7 @@ user::dynamic_tensor dynamic_of(const std::vector<S>& values, std::vector<std::i
   t.dtype = e;
   t.dims = std::move(dims);
   t.storage.resize((values.size() * sizeof(S) + 7) / 8 + 1);
-  std::memcpy(t.storage.data(), values.data(), values.size() * sizeof(S));
+  if (!values.empty()) std::memcpy(t.storage.data(), values.data(), values.size() * sizeof(S));
   return t;
 }
 
