@@ -232,7 +232,7 @@ struct fused_state {
 /// ToOut = the group is the last, so results are divided by the weight sum and stored to the
 /// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
 /// S: the gradients' element type; O: the outputs'.
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut, bool Stream>
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut>
 struct group_pass {
   using ops = packet_ops<Acc>;
   using in = storage_ops<S, Acc>;
@@ -261,16 +261,18 @@ struct group_pass {
   const fused_params<Acc>* fused;
   fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
   bool prefetch;  // whole steps prefetch the towers' data (prefetch_ahead)
+  bool stream;    // ToOut: whole steps store the outputs non-temporally (storage_ops::stream_step)
 
   struct no_state {};
   using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
 
-  /// Elements [j, j + E): U packets of every tower, summed in registers. StreamOut: store the
-  /// outputs non-temporally. Unit (fused only): every f_k and c are 1, so the weighted operations
-  /// are the plain ones (x * 1 is x: the same bits) and the plain ones run. Prefetch: ask for each
-  /// tower's data prefetch_distance bytes ahead.
-  template <bool StreamOut, bool Unit, bool Prefetch>
-  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st) const noexcept {
+  /// Elements [j, j + E): U packets of every tower, summed in registers. Unit (fused only): every
+  /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
+  /// and the plain ones run. StreamOut: store the outputs non-temporally. With prefetching, asks
+  /// for each tower's data prefetch_distance bytes ahead: a run-time branch on a value held in a
+  /// register, taken the same way by every step (predicted), that adds no variant to compile.
+  template <bool Unit, bool StreamOut>
+  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching) const noexcept {
     constexpr bool Weighted = Fused && !Unit;
     P a[U], s[U];
     std::size_t k = 0;
@@ -290,7 +292,7 @@ struct group_pass {
       P w{};
       if constexpr (Weighted) w = ops::broadcast(weights[0]);
       P xs[U];
-      if constexpr (Prefetch) prefetch_ahead(towers[0] + j);
+      if (prefetching) prefetch_ahead(towers[0] + j);
       in::template load_step<LaneOrder>(towers[0] + j, xs);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
@@ -310,7 +312,7 @@ struct group_pass {
       P w{};
       if constexpr (Weighted) w = ops::broadcast(weights[k]);
       P xs[U];
-      if constexpr (Prefetch) prefetch_ahead(g);
+      if (prefetching) prefetch_ahead(g);
       in::template load_step<LaneOrder>(g, xs);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
@@ -398,8 +400,8 @@ struct group_pass {
     }
     alignas(64) O m_buf[E], q_buf[E];
     const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal,
-                            weights, fused, state, false};
-    padded.template step<false, Unit, false>(0, st);
+                            weights, fused, state, false, false};
+    padded.template step<Unit, false>(0, st, false);
     if constexpr (ToOut) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
       if constexpr (Squares)
@@ -440,7 +442,7 @@ struct group_pass {
   template <bool Unit>
   GRADAVG_INLINE_ void run_steps(std::size_t len, registers& st) const noexcept {
     std::size_t j = 0;
-    if constexpr (ToOut && Stream) {
+    if (ToOut && stream) {
       // Not with statistics: their lanes follow the steps, which must not move with the outputs'
       // address (a misaligned packet is then stored normally, see packet_ops::stream).
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
@@ -452,11 +454,15 @@ struct group_pass {
     // The whole steps update a copy whose address is never taken (partial_step takes st's), so
     // that the compiler can keep the fused state in registers across the steps.
     registers in_steps = st;
-    if constexpr (software_prefetch) {
-      if (prefetch)
-        for (; j + E <= len; j += E) step<ToOut && Stream, Unit, true>(j, in_steps);
+    if (ToOut && stream) {
+      if (software_prefetch && prefetch)
+        for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, true);
+      for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, false);
+    } else {
+      if (software_prefetch && prefetch)
+        for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, true);
+      for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, false);
     }
-    for (; j + E <= len; j += E) step<ToOut && Stream, Unit, false>(j, in_steps);
     st = in_steps;
     if (j < len) partial_step<Unit>(j, len - j, st);
   }
@@ -525,10 +531,11 @@ struct variable_pass {
 
 /// More than group_towers towers: group by group through the L1 accumulator block. Out of line,
 /// so that its block does not enlarge the stack frame of every call with fewer towers.
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
+template <class S, class Acc, class O, bool Fused, bool WithSquare>
 [[gnu::noinline]] void reduce_blocks(variable_pass<S, Acc, Fused>& v, const tower_reader<S>& tower_data,
                                      std::size_t tower_count, std::size_t begin, std::size_t end, O* mean, O* square,
-                                     Acc divisor, Acc reciprocal, const fused_params<Acc>* fused, bool prefetch) {
+                                     Acc divisor, Acc reciprocal, const fused_params<Acc>* fused, bool prefetch,
+                                     bool stream) {
   constexpr std::size_t B = block_elements<Acc>;
   alignas(64) Acc acc[B];
   alignas(64) Acc sq[WithSquare ? B : 1];
@@ -540,53 +547,42 @@ template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
       O* m = mean + block;
       O* q = square ? square + block : nullptr;
       if (first == 0)
-        group_pass<S, Acc, O, Fused, WithSquare, false, false, Stream>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch}
+        group_pass<S, Acc, O, Fused, WithSquare, false, false>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
             .run(len);
       else if (first + count < tower_count)
-        group_pass<S, Acc, O, Fused, WithSquare, true, false, Stream>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch}
+        group_pass<S, Acc, O, Fused, WithSquare, true, false>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
             .run(len);
       else
-        group_pass<S, Acc, O, Fused, WithSquare, true, true, Stream>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch}
+        group_pass<S, Acc, O, Fused, WithSquare, true, true>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
             .run(len);
     }
   }
 }
 
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Stream>
+template <class S, class Acc, class O, bool Fused, bool WithSquare>
 piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
-                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused, bool prefetch) {
+                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused, bool prefetch,
+                               bool stream) {
   const Acc reciprocal = exact_reciprocal(divisor);
   variable_pass<S, Acc, Fused> v;
   if (tower_count <= group_towers) {
     v.load(tower_data, 0, tower_count, begin, fused);
-    group_pass<S, Acc, O, Fused, WithSquare, false, true, Stream>{
+    group_pass<S, Acc, O, Fused, WithSquare, false, true>{
         v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
-        v.weights, fused, v.state_ptr(), prefetch}
+        v.weights, fused, v.state_ptr(), prefetch, stream}
         .run_inlined(end - begin);
   } else {
-    reduce_blocks<S, Acc, O, Fused, WithSquare, Stream>(v, tower_data, tower_count, begin, end, mean, square, divisor,
-                                                        reciprocal, fused, prefetch);
+    reduce_blocks<S, Acc, O, Fused, WithSquare>(v, tower_data, tower_count, begin, end, mean, square, divisor,
+                                                reciprocal, fused, prefetch, stream);
   }
-  if constexpr (Stream) streaming_fence();
+  if (stream) streaming_fence();
   if constexpr (Fused)
     return v.state.result();
   else
     return {};
-}
-
-/// reduce_range_impl with the store kind chosen at run time.
-template <class S, class Acc, class O, bool Fused, bool WithSquare>
-piece_result reduce_range_stores(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin,
-                                 std::size_t end, O* mean, O* square, bool streaming, bool prefetch, Acc divisor,
-                                 const fused_params<Acc>* fused) {
-  if (streaming)
-    return reduce_range_impl<S, Acc, O, Fused, WithSquare, true>(tower_data, tower_count, begin, end, mean, square,
-                                                                 divisor, fused, prefetch);
-  return reduce_range_impl<S, Acc, O, Fused, WithSquare, false>(tower_data, tower_count, begin, end, mean, square,
-                                                                divisor, fused, prefetch);
 }
 
 /// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc.
@@ -600,18 +596,16 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
+  auto run = [&]<bool Fused, bool WithSquare>() {
+    return reduce_range_impl<S, Acc, O, Fused, WithSquare>(tower_data, tower_count, begin, end, mean, square, divisor,
+                                                           fused, prefetch, streaming);
+  };
   if (fused != nullptr) {
-    if (square != nullptr || fused->statistics)
-      return reduce_range_stores<S, Acc, O, true, true>(tower_data, tower_count, begin, end, mean, square, streaming,
-                                                        prefetch, divisor, fused);
-    return reduce_range_stores<S, Acc, O, true, false>(tower_data, tower_count, begin, end, mean, square, streaming,
-                                                       prefetch, divisor, fused);
+    if (square != nullptr || fused->statistics) return run.template operator()<true, true>();
+    return run.template operator()<true, false>();
   }
-  if (square != nullptr)
-    return reduce_range_stores<S, Acc, O, false, true>(tower_data, tower_count, begin, end, mean, square, streaming,
-                                                       prefetch, divisor, fused);
-  return reduce_range_stores<S, Acc, O, false, false>(tower_data, tower_count, begin, end, mean, square, streaming,
-                                                      prefetch, divisor, fused);
+  if (square != nullptr) return run.template operator()<false, true>();
+  return run.template operator()<false, false>();
 }
 
 /// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
