@@ -174,13 +174,16 @@ void check_against_references(bool uneven, bool squares, std::size_t fusion_byte
   CHECK(same_on_every_rank(hash_of(means)));
   if (squares) CHECK(same_on_every_rank(hash_of(sq)));
 
-  // The one-process call over all towers: the means bit for bit with one tower per rank (the
-  // same additions in the same order). Not the squares: one process fuses each tower's square
-  // into the running sum (multiply-add), across ranks each square is rounded before the sum.
+  // The one-process call over all towers: the means and squares bit for bit with one tower per
+  // rank (the same additions in the same order; each square rounded before it is added, in one
+  // process as across ranks).
   const auto all = w.all();
   auto one_means = w.outputs();
-  gradavg::average_gradients_into(all, one_means);
+  auto one_sq = w.outputs();
+  if (squares) gradavg::average_gradients_into(all, one_means, one_sq);
+  else gradavg::average_gradients_into(all, one_means);
   if (!uneven) CHECK(hash_of(means) == hash_of(one_means));
+  if (!uneven && squares) CHECK(hash_of(sq) == hash_of(one_sq));
 
   // Any bucket size gives the same bits: each element is summed the same way in every bucket.
   auto other = w.outputs();

@@ -36,8 +36,8 @@
 #define GRADAVG_ISA_WIDTH_ packet128
 #endif
 
-// Whether the target has fused multiply-add instructions (then Eigen's pmadd and the compiler's
-// contractions may fuse, and results of squares differ from a target without them).
+// Whether the target has fused multiply-add instructions (Eigen's own code and the compiler's
+// contractions in the caller's code may use them; gradavg's kernel never fuses).
 #if defined(EIGEN_VECTORIZE_FMA) || defined(__FMA__) || defined(__ARM_FEATURE_FMA)
 #define GRADAVG_ISA_NAMESPACE GRADAVG_ISA_CAT(GRADAVG_ISA_WIDTH_, _fma)
 #else

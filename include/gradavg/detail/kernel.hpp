@@ -3,26 +3,27 @@
 // Contract of reduce_range (one variable, T towers, elements [begin, end)), plain:
 //   mean[j]   = (g_0[j] + g_1[j] + ... + g_{T-1}[j]) / T        summed in tower order
 //   square[j] = (g_0[j]^2 + ... + g_{T-1}[j]^2) / T              when square != nullptr
-// in the accumulator type; squares use the packets' multiply-add (packet_ops::mul_add: fused
-// exactly where the target has FMA, whatever the compiler's -ffp-contract). A power-of-two T
-// multiplies by 1/T instead: the same bits (exact_reciprocal).
+// in the accumulator type; each square is rounded before it is added (packet_ops::mul_add: never
+// fused, whatever the target or the compiler's -ffp-contract). A power-of-two T multiplies by
+// 1/T instead: the same bits (exact_reciprocal).
 // Fused (fused_params given): with w_k the tower weights, W their sum, c the scale and
 // f_k = w_k c (computed in double, rounded once to the accumulator type),
 //   mean[j]   = (f_0 g_0[j] + ... + f_{T-1} g_{T-1}[j]) / W
 //   square[j] = (f_0 g_0[j] (c g_0[j]) + ...) / W
-// each f_k g_k[j] (k > 0) added with the packets' multiply-add like a square, c g_k[j] and
-// f_0 g_0[j] rounded once: the scale meets every input before any sum, so loss-scaled inputs
-// never overflow the sums (or the sums of squares) by their scaled size. With unit weights and
-// c = 1 bitwise the plain results. The fused
+// each product rounded once before it is added (packet_ops::mul_add, like a square): the scale
+// meets every input before any sum, so loss-scaled inputs never overflow the sums (or the sums of
+// squares) by their scaled size. With unit weights and c = 1 bitwise the plain results. The fused
 // pass also reports whether any input was NaN or +-Inf (probing a step's inputs only where a sum
 // is not finite) and sums mean^2 and square in double. With every f_k and c equal to 1 it runs
 // the plain operations (the same bits).
 // Results are rounded once from the accumulator type to the output type (storage_ops). Every
 // element, tails included, is computed by the same packet operations (a tail is copied into a
 // zero-padded step), so each element's result depends only on its inputs and T — never on
-// blocking, alignment, how a caller splits [0, n) across threads, or whether the target's
-// multiply-add fuses. A NaN result is always the default quiet NaN (NaN inputs' payloads are not
-// propagated), so NaN results are bitwise reproducible too.
+// blocking, alignment, how a caller splits [0, n) across threads, or the instruction set: means
+// and squares are the same bits at every level (SSE2, AVX2, AVX-512, NEON, scalar). The fused
+// statistics are sums over elements in lanes of the packet width: bitwise reproducible at one
+// level, not across levels. A NaN result is always the default quiet NaN (NaN inputs' payloads
+// are not propagated), so NaN results are bitwise reproducible too.
 // Every g_k[j] is read once and mean[j], square[j] written once, after all reads of index j,
 // so mean may be g_0 itself (in place). No other overlap is allowed.
 //
@@ -202,7 +203,7 @@ struct fused_state {
   template <std::size_t N>
   GRADAVG_INLINE_ static typename D::type pair_of_squares(const typename D::type (&w)[N][parts], std::size_t u,
                                                           std::size_t p) noexcept {
-    const typename D::type first = D::mul(w[u][p], w[u][p]);
+    const typename D::type first = D::rounded(D::mul(w[u][p], w[u][p]));
     return u + 1 < N ? D::mul_add(w[u + 1][p], w[u + 1][p], first) : first;
   }
   template <std::size_t N>

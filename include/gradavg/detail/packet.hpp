@@ -1,6 +1,6 @@
 // gradavg internals: the SIMD operations the kernel uses, and the only place gradavg touches
 // Eigen's internal packet API (Eigen::internal::packet_traits, unpacket_traits, ploadu, pstoreu,
-// pset1, padd, pmul, pmadd, pdiv, pcmp_eq, pselect) or compiler intrinsics (non-temporal
+// pset1, padd, pmul, pdiv, pcmp_eq, pselect) or compiler intrinsics (non-temporal
 // stores, sfence, conversions between float, double and the 16-bit types). A change in Eigen's
 // internals is a fix in this file alone. Checked with Eigen 3.4 and 5.0.
 //
@@ -71,9 +71,25 @@ struct packet_ops {
   static type broadcast(T x) noexcept { return Eigen::internal::pset1<type>(x); }
   static type add(const type& a, const type& b) noexcept { return Eigen::internal::padd(a, b); }
   static type mul(const type& a, const type& b) noexcept { return Eigen::internal::pmul(a, b); }
-  /// a * b + c, fused or not as Eigen's pmadd is on this target; every element of every tower
-  /// goes through this same operation, so results never depend on an element's position.
-  static type mul_add(const type& a, const type& b, const type& c) noexcept { return Eigen::internal::pmadd(a, b, c); }
+  /// a * b rounded to T, then + c: two roundings on every target, never one fused multiply-add
+  /// (whatever the compiler's -ffp-contract), so that results are the same bits on a target with
+  /// FMA and one without.
+  static type mul_add(const type& a, const type& b, const type& c) noexcept { return add(rounded(mul(a, b)), c); }
+  /// v, opaque to the optimiser: a product passed through it is rounded to T before any later
+  /// sum (it cannot be contracted into one). No instruction on x86 and Arm.
+  static type rounded(type v) noexcept {
+#if defined(__GNUC__) && defined(__AVX512F__)
+    __asm__("" : "+v"(v));  // any of the 32 vector registers
+#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+    __asm__("" : "+x"(v));
+#elif defined(__GNUC__) && (defined(__aarch64__) || defined(__ARM_NEON))
+    __asm__("" : "+w"(v));
+#else
+    volatile type kept = v;
+    v = kept;
+#endif
+    return v;
+  }
   static type div(const type& a, const type& b) noexcept { return Eigen::internal::pdiv(a, b); }
 
   /// v with every NaN lane replaced by the default quiet NaN: which NaN operand an addition
