@@ -19,7 +19,10 @@
 
 #include "catch.hpp"
 #include "support.hpp"
+#include "torch_models.hpp"
 #include "x87_check.hpp"
+
+using namespace gradavg_test::models;  // Net, TwoHeads, BatchNormNet, Mixed
 
 // `using namespace gradavg;` leaves every later `torch::` naming libtorch's (gradavg's own names
 // are in gradavg::libtorch): this unit would not compile otherwise.
@@ -288,19 +291,6 @@ TEST_CASE("parameter tensors as variables: the same TensorImpl on every tower, p
 }
 
 namespace {
-
-struct NetImpl : torch::nn::Cloneable<NetImpl> {
-  NetImpl() { reset(); }
-  void reset() override {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
-    frozen = register_module("frozen", torch::nn::Linear(3, 3));
-    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return frozen(fc2(torch::relu(fc1(x)))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
-};
-TORCH_MODULE(Net);
 
 /// K replicas of one model, each with the gradient of its slice of a batch.
 std::vector<Net> replicas_with_gradients(std::size_t k_count, std::uint64_t seed) {
@@ -617,22 +607,6 @@ TEST_CASE("module replicas: the executor runs the copies, and its exception reac
 
 namespace {
 
-/// A body and two heads; the aux head takes part in the loss only where asked.
-struct TwoHeadsImpl : torch::nn::Cloneable<TwoHeadsImpl> {
-  TwoHeadsImpl() { reset(); }
-  void reset() override {
-    body = register_module("body", torch::nn::Linear(6, 8));
-    head = register_module("head", torch::nn::Linear(8, 3));
-    aux = register_module("aux", torch::nn::Linear(8, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x, bool use_aux) {
-    const torch::Tensor h = torch::relu(body(x));
-    return use_aux ? head(h) + aux(h) : head(h);
-  }
-  torch::nn::Linear body{nullptr}, head{nullptr}, aux{nullptr};
-};
-TORCH_MODULE(TwoHeads);
-
 /// Three replicas of one TwoHeads and a batch of 8 rows per replica.
 struct two_heads_step {
   std::vector<TwoHeads> replicas;
@@ -742,21 +716,6 @@ TEST_CASE("module_options::absent_as_zeros: a gradient absent on some replicas c
 
 namespace {
 
-/// A linear layer, batch normalisation (running_mean, running_var, num_batches_tracked) and a head.
-struct BatchNormNetImpl : torch::nn::Cloneable<BatchNormNetImpl> {
-  explicit BatchNormNetImpl(std::int64_t width = 8) : width(width) { reset(); }
-  void reset() override {
-    fc = register_module("fc", torch::nn::Linear(6, width));
-    bn = register_module("bn", torch::nn::BatchNorm1d(width));
-    head = register_module("head", torch::nn::Linear(width, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return head(bn(fc(x))); }
-  std::int64_t width;
-  torch::nn::Linear fc{nullptr}, head{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-};
-TORCH_MODULE(BatchNormNet);
-
 /// Three replicas of one BatchNormNet whose running statistics differ (a train-mode forward of
 /// other data on each); replica 2's parameters differ as well.
 std::vector<BatchNormNet> diverged_replicas(std::uint64_t seed) {
@@ -827,21 +786,6 @@ TEST_CASE("broadcast_buffers: replicas of different models are an error before a
 }
 
 namespace {
-
-/// A bfloat16 body and a float head.
-struct MixedImpl : torch::nn::Cloneable<MixedImpl> {
-  MixedImpl() { reset(); }
-  void reset() override {
-    body = register_module("body", torch::nn::Linear(6, 8));
-    body->to(torch::kBFloat16);
-    head = register_module("head", torch::nn::Linear(8, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return head(torch::relu(body(x.to(torch::kBFloat16))).to(torch::kFloat));
-  }
-  torch::nn::Linear body{nullptr}, head{nullptr};
-};
-TORCH_MODULE(Mixed);
 
 std::vector<Mixed> mixed_replicas(std::size_t k_count, std::uint64_t seed) {
   torch::manual_seed(seed);

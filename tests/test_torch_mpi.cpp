@@ -22,6 +22,9 @@
 
 #include "catch.hpp"
 #include "support.hpp"
+#include "torch_models.hpp"
+
+using namespace gradavg_test::models;  // Net, TwoHeads, BatchNormNet, Mixed
 
 namespace {
 
@@ -142,19 +145,6 @@ void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double toleranc
     CHECK(same_on_every_rank(hash_of(means)));
   }
 }
-
-struct NetImpl : torch::nn::Cloneable<NetImpl> {
-  NetImpl() { reset(); }
-  void reset() override {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 3));
-    frozen = register_module("frozen", torch::nn::Linear(3, 3));
-    for (auto& p : frozen->parameters()) p.set_requires_grad(false);
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return frozen(fc2(torch::relu(fc1(x)))); }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
-};
-TORCH_MODULE(Net);
 
 /// Every rank's replicas (all of them, on every rank) of one model, each with the gradient of its
 /// own 8 rows of a batch.
@@ -352,22 +342,6 @@ TEST_CASE("a null replica on one rank: tower_error there, remote_error elsewhere
 
 namespace {
 
-/// A body and two heads; the aux head takes part in the loss only where asked.
-struct TwoHeadsImpl : torch::nn::Cloneable<TwoHeadsImpl> {
-  TwoHeadsImpl() { reset(); }
-  void reset() override {
-    body = register_module("body", torch::nn::Linear(6, 8));
-    head = register_module("head", torch::nn::Linear(8, 3));
-    aux = register_module("aux", torch::nn::Linear(8, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x, bool use_aux) {
-    const torch::Tensor h = torch::relu(body(x));
-    return use_aux ? head(h) + aux(h) : head(h);
-  }
-  torch::nn::Linear body{nullptr}, head{nullptr}, aux{nullptr};
-};
-TORCH_MODULE(TwoHeads);
-
 /// Every rank's replicas of one TwoHeads (all of them, on every rank), each with the gradient of
 /// its own 8 rows; the aux head takes part on the towers below aux_towers only.
 std::vector<TwoHeads> all_two_heads(std::uint64_t seed, std::size_t aux_towers) {
@@ -470,21 +444,6 @@ TEST_CASE("absent_as_zeros across ranks: a gradient absent on every replica of e
 
 namespace {
 
-/// A linear layer, batch normalisation (running_mean, running_var, num_batches_tracked) and a head.
-struct BatchNormNetImpl : torch::nn::Cloneable<BatchNormNetImpl> {
-  explicit BatchNormNetImpl(std::int64_t width = 8) : width(width) { reset(); }
-  void reset() override {
-    fc = register_module("fc", torch::nn::Linear(6, width));
-    bn = register_module("bn", torch::nn::BatchNorm1d(width));
-    head = register_module("head", torch::nn::Linear(width, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) { return head(bn(fc(x))); }
-  std::int64_t width;
-  torch::nn::Linear fc{nullptr}, head{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-};
-TORCH_MODULE(BatchNormNet);
-
 /// Rank r's r + 1 replicas as that rank builds them (any rank can rebuild them): a model of its
 /// own seed, every replica's parameters perturbed and its running statistics from its own data.
 std::vector<BatchNormNet> rank_replicas(std::size_t r, std::int64_t width = 8) {
@@ -562,24 +521,6 @@ TEST_CASE("broadcast_buffers across ranks: a rank whose model differs is an erro
   CHECK(same_on_every_rank(42));
 }
 
-namespace {
-
-/// A bfloat16 body and a float head.
-struct MixedImpl : torch::nn::Cloneable<MixedImpl> {
-  MixedImpl() { reset(); }
-  void reset() override {
-    body = register_module("body", torch::nn::Linear(6, 8));
-    body->to(torch::kBFloat16);
-    head = register_module("head", torch::nn::Linear(8, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x) {
-    return head(torch::relu(body(x.to(torch::kBFloat16))).to(torch::kFloat));
-  }
-  torch::nn::Linear body{nullptr}, head{nullptr};
-};
-TORCH_MODULE(Mixed);
-
-}  // namespace
 
 TEST_CASE("a bfloat16 body and a float head across ranks: each dtype in a call of its own, the same on every rank") {
   torch::manual_seed(103);
