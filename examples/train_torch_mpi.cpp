@@ -13,7 +13,8 @@
 // Checks, each failing the program (exit 1 on every rank): the first step's averaged gradient
 // against the mean of the gradients of every slice of every rank computed one at a time by one
 // model (max relative difference under 1e-5), every replica of every rank bitwise identical at the
-// end (parameters and buffers), and held-out accuracy (eval mode) of at least 90%. Exit 77 when the data file is missing (ctest reports it skipped).
+// end (parameters and buffers), and held-out accuracy (eval mode) of at least 90%. Exit 77 when
+// the data file is missing (ctest reports it skipped).
 #include <gradavg/torch_mpi.hpp>
 
 #include <mpi.h>

@@ -6,7 +6,8 @@
 //     arena unchanged,
 //   - or success with mean = (sum over towers in tower order, in the element type) / T bitwise
 //     (any NaN equals any NaN), squares = (g_0² + g_1² + ...) / T bitwise with each square
-//     rounded before it is added (never fused, on any target), every other byte of the arena unchanged, and the counts and skipped list right.
+//     rounded before it is added (never fused, on any target), every other byte of the arena
+//     unchanged, and the counts and skipped list right.
 // The fused step's options are decoded too (weights, scale, on_nonfinite with NaN and infinities
 // planted in the inputs, statistics, per_variable, element ranges, double accumulation, and
 // outputs that are flat views of their gradient): with unit weights and scale 1 the results are
