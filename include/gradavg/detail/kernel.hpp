@@ -269,9 +269,9 @@ struct group_pass {
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. Unit (fused only): every
   /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
-  /// and the plain ones run. StreamOut: store the outputs non-temporally. With prefetching, asks
-  /// for each tower's data prefetch_distance bytes ahead: a run-time branch on a value held in a
-  /// register, taken the same way by every step (predicted), that adds no variant to compile.
+  /// and the plain ones run. StreamOut: store the outputs non-temporally. prefetching: ask for
+  /// each tower's data prefetch_distance bytes ahead (run_steps passes a constant, so each of its
+  /// loops has the branch folded away).
   template <bool Unit, bool StreamOut>
   GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching) const noexcept {
     constexpr bool Weighted = Fused && !Unit;
