@@ -154,14 +154,18 @@ void require_reference(const world<S>& w, const std::vector<std::vector<O>>& out
   }
 }
 
+using exchange = gradavg::mpi::exchange_method;
+
 template <class S>
-void check_against_references(bool uneven, bool squares, std::size_t fusion_bytes) {
+void check_against_references(bool uneven, bool squares, std::size_t fusion_bytes,
+                              exchange how = exchange::point_to_point) {
   const world<S> w({1, 7, 33, 1000, 5, 4097, 2}, {false, false, true, false, false, false, true}, layout(uneven), 11);
   const auto local = w.local();
   auto means = w.outputs();
   auto sq = w.outputs();
   gradavg::mpi::options opts;
   opts.fusion_bytes = fusion_bytes;
+  opts.exchange = how;
   gradavg::summary s;
   if (squares) s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, sq, opts);
   else s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
@@ -185,7 +189,8 @@ void check_against_references(bool uneven, bool squares, std::size_t fusion_byte
   if (!uneven) CHECK(hash_of(means) == hash_of(one_means));
   if (!uneven && squares) CHECK(hash_of(sq) == hash_of(one_sq));
 
-  // Any bucket size gives the same bits: each element is summed the same way in every bucket.
+  // Any bucket size and either exchange give the same bits: each element is summed the same way
+  // in every bucket (defaults: automatic buckets, the collectives).
   auto other = w.outputs();
   auto other_sq = w.outputs();
   gradavg::mpi::options defaults;
@@ -200,15 +205,20 @@ TEST_CASE("float: means and squares against the references, even and uneven towe
   // odd offsets; 4097-element variable over hundreds of buckets.
   for (bool uneven : {false, true})
     for (bool squares : {false, true})
-      for (std::size_t bytes : {std::size_t{32}, std::size_t{4 * 1001}, std::size_t{12}}) {
-        INFO("uneven " << uneven << " squares " << squares << " fusion_bytes " << bytes);
-        check_against_references<float>(uneven, squares, bytes);
-      }
+      for (std::size_t bytes : {std::size_t{32}, std::size_t{4 * 1001}, std::size_t{12}})
+        for (exchange how : {exchange::point_to_point, exchange::collectives}) {
+          INFO("uneven " << uneven << " squares " << squares << " fusion_bytes " << bytes << " collectives "
+                         << (how == exchange::collectives));
+          check_against_references<float>(uneven, squares, bytes, how);
+        }
 }
 
 TEST_CASE("double: means and squares against the references") {
   for (bool uneven : {false, true})
-    for (bool squares : {false, true}) check_against_references<double>(uneven, squares, 8 * 37);
+    for (bool squares : {false, true}) {
+      check_against_references<double>(uneven, squares, 8 * 37);
+      check_against_references<double>(uneven, squares, 8 * 37, exchange::collectives);
+    }
 }
 
 TEMPLATE_TEST_CASE("16-bit gradients into 16-bit and into float outputs", "", half, bfloat16) {
@@ -459,6 +469,39 @@ std::string every_rank_throws(const towers_t<float>& local, std::vector<std::vec
   return message;
 }
 
+TEST_CASE("weights: one rank's may sum to 0 (its towers count for nothing); 0 over every rank: weight_error") {
+  const world<float> w({40, 3}, {false, false}, layout(true), 13);
+  const std::size_t rank = static_cast<std::size_t>(world_rank());
+  const std::size_t total = w.total_towers();
+  const std::size_t first1 = w.first_tower(1), end1 = first1 + w.towers_of[1];
+  std::vector<double> all(total);  // every tower of rank 1 weighs 0
+  for (std::size_t k = 0; k < total; ++k) all[k] = k >= first1 && k < end1 ? 0.0 : 1.0 + static_cast<double>(k % 3);
+  const std::vector<double> mine(all.begin() + static_cast<std::ptrdiff_t>(w.first_tower(rank)),
+                                 all.begin() + static_cast<std::ptrdiff_t>(w.first_tower(rank) + w.towers_of[rank]));
+  gradavg::mpi::options opts;
+  opts.weights = mine;
+  auto out = w.outputs();
+  const auto s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), out, opts);
+  CHECK(s.towers == total);
+  CHECK(s.weighted_towers == total - w.towers_of[1]);
+  // The weighted mean in double over the towers of positive weight, summed here.
+  const double weight_sum = std::accumulate(all.begin(), all.end(), 0.0);
+  for (std::size_t i = 0; i < w.sizes.size(); ++i)
+    for (std::size_t j = 0; j < w.sizes[i]; ++j) {
+      double want = 0;
+      for (std::size_t k = 0; k < total; ++k) want += all[k] * static_cast<double>(w.data[k][i][j]);
+      want /= weight_sum;
+      CHECK(std::abs(out[i][j] - want) <= 4 * tolerance<float>(total) * (std::abs(want) + 1));
+    }
+  CHECK(same_on_every_rank(hash_of(out)));
+
+  const std::vector<double> zeros(w.towers_of[rank], 0.0);
+  gradavg::mpi::options none;
+  none.weights = zeros;
+  const std::string m = every_rank_throws<gradavg::weight_error>(w.local(), out, 0, none);
+  CHECK(contains(m, "options.weights sum to 0 over the towers of every rank"));
+}
+
 TEST_CASE("a gradient missing on one tower of the last rank: missing_gradient_error on every rank") {
   const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 8);
   const int last = world_size() - 1;
@@ -545,9 +588,12 @@ TEST_CASE("an exception from one rank's executor while averaging: its own there,
   const world<float> w({5, 600000, 7}, {false, false, false}, layout(true), 9);
   const auto local = w.local();
   const int failing = world_size() - 1;
+  const exchange how = GENERATE(exchange::point_to_point, exchange::collectives);
+  INFO("collectives " << (how == exchange::collectives));
   failing_executor down;
   gradavg::mpi::workspace work;
   gradavg::mpi::options opts;
+  opts.exchange = how;
   opts.fusion_bytes = 1 << 20;  // three buckets, the first of two chunks: the failure comes first
   opts.work = &work;
   if (world_rank() == failing) {
@@ -582,6 +628,11 @@ TEST_CASE("options that differ on one rank: option_error on every rank; bad weig
   if (world_rank() == 1) opts.scale = 2;
   const std::string m = every_rank_throws<gradavg::option_error>(local, out, 1, opts);
   CHECK(contains(m, "rank 1 passes a different options.scale than rank"));
+
+  gradavg::mpi::options how;
+  if (world_rank() == 1) how.exchange = gradavg::mpi::exchange_method::point_to_point;
+  CHECK(contains(every_rank_throws<gradavg::option_error>(local, out, 1, how),
+                 "rank 1 passes a different options.exchange than rank"));
 
   // Rank 0 the odd one out: named as such where the others agree (3 ranks or more).
   gradavg::mpi::options odd_first;

@@ -301,7 +301,11 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
   layout l({5, 300, 7});
   for (const int failing : {0, world_size() - 1}) {
     for (const bool with_workspace : {false, true}) {
-      INFO((with_workspace ? "a workspace kept between calls" : "no workspace") << ", failing rank " << failing);
+      // With a workspace, both exchanges (their buffers differ).
+      const auto how = with_workspace ? gradavg::mpi::exchange_method::collectives
+                                      : gradavg::mpi::exchange_method::point_to_point;
+      INFO((with_workspace ? "a workspace kept between calls, collectives" : "no workspace")
+           << ", failing rank " << failing);
       gradavg::mpi::workspace work;
       auto call = [&](std::vector<std::vector<float>>& out, std::uint64_t& before, auto&& guarded) {
         out = l.outputs();
@@ -309,6 +313,7 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
         gradavg::mpi::options opts;
         opts.fusion_bytes = 4 * 64;
         opts.statistics = true;
+        opts.exchange = how;
         if (with_workspace) opts.work = &work;
         const auto tg = l.towers();
         guarded([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, out, opts); });
@@ -340,7 +345,11 @@ TEST_CASE("an executor that fails at any call on one rank, before or after a tas
   layout l({5, 1500000, 7});
   for (const int failing : {0, world_size() - 1}) {
     for (const bool after_first_task : {false, true}) {
-      INFO((after_first_task ? "after the first task" : "before any task") << ", failing rank " << failing);
+      // After the first task, the buckets move by the collectives.
+      const auto how = after_first_task ? gradavg::mpi::exchange_method::collectives
+                                        : gradavg::mpi::exchange_method::point_to_point;
+      INFO((after_first_task ? "after the first task, collectives" : "before any task") << ", failing rank "
+                                                                                         << failing);
       failing_executor pool;
       pool.after_first_task = after_first_task;
       gradavg::mpi::workspace work;
@@ -353,6 +362,7 @@ TEST_CASE("an executor that fails at any call on one rank, before or after a tas
         opts.work = &work;
         opts.threads = 2;
         opts.pool = &pool;
+        opts.exchange = how;
         guarded([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, out, opts); });
       };
       // Outputs are then partly written (the data had started to move): not compared.

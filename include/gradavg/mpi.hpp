@@ -3,7 +3,8 @@
 // Every rank passes its local towers (at least one; ranks may hold different numbers) and
 // receives the mean over all towers of all ranks, and the mean of squares, weights, scale,
 // non-finite detection and statistics with the same meaning as in one process (options.hpp);
-// options.weights holds the weights of the rank's own towers (their sum positive on every rank).
+// options.weights holds the weights of the rank's own towers (one rank's may sum to 0; the sum over
+// every rank must be positive).
 // The call is collective over comm: every rank of comm calls it with the same options (a
 // disagreement is an error, see below). comm: an intra-communicator of an initialised, not yet
 // finalised MPI (else mpi_error on the rank that passes it). Every MPI call is made on the calling
@@ -41,11 +42,12 @@
 // bucket's fusion buffer (weighted sums, the squares' sums side by side, per-variable non-finite
 // flags behind them); the buffer is then moved as raw bytes only (no MPI reduction): rank r owns a
 // slice of every bucket, receives every rank's contribution to it, sums them in rank order, and
-// sends the summed slice back to every rank: nonblocking point-to-point messages (MPI_Isend and
-// MPI_Irecv on comm, tags 0x4741 and 0x4742: code that posts receives on comm with MPI_ANY_TAG
-// while the call runs must give gradavg a communicator of its own, MPI_Comm_dup). Bucket k's
-// communication runs while the kernel fills bucket k+1. The division by the global weight sum (and
-// the statistics) is applied while unpacking into the outputs. So the results are bitwise the
+// sends the summed slice back to every rank: MPI_Ialltoallv and MPI_Iallgatherv on comm, or with
+// options.exchange = point_to_point MPI_Isend and MPI_Irecv (tags 0x4741 and 0x4742: code that
+// posts receives on comm with MPI_ANY_TAG while the call runs must then give gradavg a
+// communicator of its own, MPI_Comm_dup). Bucket k's communication runs while the kernel fills
+// bucket k+1. The division by the global weight sum (and the statistics) is applied while
+// unpacking into the outputs. So the results are bitwise the
 // same on every rank and from run to run for the same layout, whatever algorithms the MPI library
 // picks. Against the one-process call over the same towers: the means bitwise the same with one
 // tower per rank and unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of
@@ -114,6 +116,18 @@ constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
   return std::min(std::max(std::size_t{1} << 20, per_rank), std::size_t{16} << 20);
 }
 
+/// How the slices of a bucket move between ranks: raw bytes either way (no MPI reduction), so
+/// both give the same bits (docs/mpi.md, "Cost on a link").
+enum class exchange_method : unsigned char {
+  /// MPI_Ialltoallv to the slices' owners, then MPI_Iallgatherv of the summed slices: the MPI
+  /// library schedules the messages (over Open MPI's TCP transport with its default settings, at
+  /// the link's rate where point_to_point was not).
+  collectives,
+  /// MPI_Isend / MPI_Irecv with every other rank, tags 0x4741 and 0x4742 on comm (code that posts
+  /// MPI_ANY_TAG receives on comm while the call runs must give gradavg a communicator of its own).
+  point_to_point,
+};
+
 namespace mpi_detail {
 template <class, class, class, class, class>
 struct call;
@@ -130,6 +144,7 @@ class workspace {
   std::vector<std::byte> buffers;
   std::vector<std::uint64_t> words;
   std::vector<MPI_Request> requests;
+  std::vector<int> counts;  // exchange_method::collectives: counts and displacements
   std::vector<const void*> towers;
   std::vector<void*> outputs;
   std::vector<double> sums;
@@ -141,6 +156,8 @@ struct options : gradavg::options {
   /// Bytes of one bucket's fusion buffer: at least two elements, at most 1 GiB; 0 (the default):
   /// automatic_fusion_bytes(the communicator's size).
   std::size_t fusion_bytes = 0;
+  /// How the buckets move between ranks (every rank passes the same).
+  exchange_method exchange = exchange_method::collectives;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };
@@ -243,6 +260,7 @@ enum header_field : std::size_t {
   h_scale,        // bits of the scale
   h_samples,      // bits of samples_per_tower
   h_per_variable,  // per_variable passed
+  h_exchange,     // exchange_method
   header_words
 };
 
@@ -369,6 +387,7 @@ struct call {
     header[h_scale] = double_to_bits(opts.scale);
     header[h_samples] = double_to_bits(opts.samples_per_tower);
     header[h_per_variable] = opts.per_variable.empty() ? 0 : 1;
+    header[h_exchange] = static_cast<std::uint64_t>(opts.exchange);
     double weight_sum = static_cast<double>(std::ranges::size(tg));
     if (!opts.weights.empty()) {
       weight_sum = 0;
@@ -394,7 +413,7 @@ struct call {
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
         }
-        gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts));
+        gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
         std::uint64_t* w = work.words.data() + ranks * header_words;
         bool any_present = false;
         for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
@@ -472,11 +491,19 @@ struct call {
                            named{h_range_begin, "options.range"}, named{h_range_end, "options.range"},
                            named{h_fusion_bytes, "options.fusion_bytes"}, named{h_scale, "options.scale"},
                            named{h_samples, "options.samples_per_tower"},
-                           named{h_per_variable, "whether options.per_variable is passed"}})
+                           named{h_per_variable, "whether options.per_variable is passed"},
+                           named{h_exchange, "options.exchange"}})
       if (const rank_split d = split_on(n.f); !d.odd.empty())
         throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
                            " a different " + std::string(n.what) + " than " + rank_list(d.common) +
                            "; every rank must pass the same");
+    // The divisor: every rank's weight sum, added in rank order (as the data path does).
+    double weight_sum = 0;
+    for (int r = 0; r < ranks; ++r) weight_sum += bits_to_double(field(r, h_weight_sum));
+    if (!gradavg::detail::usable_weight_sum(weight_sum, gradavg::detail::accumulator_max<S>(opts)))
+      throw weight_error("gradavg::mpi: options.weights sum to " + gradavg::detail::describe_number(weight_sum) +
+                         " over the towers of every rank; that sum must be positive and finite (a normal number in "
+                         "the accumulator type); one rank's may be 0");
   }
 
   /// The first variable whose words disagree, and how: 0 none, 1 identity, 2 presence, 3 shape.
@@ -592,6 +619,7 @@ struct call {
     Buf* local = nullptr;  // the fusion buffer, then the gathered sums
     Buf* recv = nullptr;   // the other ranks' contributions to this rank's slice, in rank order
     MPI_Request* requests = nullptr;  // 2 (P - 1): a receive and a send per other rank
+    int* counts = nullptr;            // 4 P: exchange_method::collectives' counts and displacements
     int pending = 0;                  // requests in use
   };
 
@@ -660,8 +688,10 @@ struct call {
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     const std::size_t P = static_cast<std::size_t>(ranks);
     work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
+    work.counts.resize(opts.exchange == mpi::exchange_method::collectives ? sets * 4 * P : 0);
     for (std::size_t s = 0; s < sets; ++s)
-      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P, 0};
+      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P,
+                work.counts.empty() ? nullptr : work.counts.data() + s * 4 * P, 0};
   }
 
   // ---- The data path, after agreement: tables and buffers only, no tensor_traits call and no
@@ -802,9 +832,9 @@ struct call {
       gradavg::detail::run_chunks(chunks, chunk, opts);
     };
 
-    // Point-to-point messages (tags exchange_tag and gather_tag on comm): Open MPI's alltoallv and
-    // allgatherv copy this rank's own slice through temporaries (measured: 1.6x the time of an
-    // allreduce of the same bytes, against 1.1x for these messages).
+    // options.exchange: point-to-point messages (tags exchange_tag and gather_tag on comm), or
+    // MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in bs.counts).
+    const bool collectives = opts.exchange == mpi::exchange_method::collectives;
     auto wait_all = [&](bucket_set& bs) {
       if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
       bs.pending = 0;
@@ -814,6 +844,24 @@ struct call {
     auto start_exchange = [&](const bucket_shape& sh, bucket_set& bs) {
       const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
       bs.pending = 0;
+      if (collectives) {
+        // Nothing to or from this rank itself; the others' contributions in rank order in recv.
+        int* send_counts = bs.counts;
+        int* send_displs = bs.counts + ranks;
+        int* recv_counts = bs.counts + 2 * ranks;
+        int* recv_displs = bs.counts + 3 * ranks;
+        for (int r = 0; r < ranks; ++r) {
+          const std::size_t first = slice_begin(sh.len, r);
+          send_counts[r] = r == rank ? 0 : bytes_of(slice_begin(sh.len, r + 1) - first);
+          send_displs[r] = bytes_of(first);
+          recv_counts[r] = r == rank ? 0 : bytes_of(mine);
+          recv_displs[r] = r == rank ? 0 : bytes_of(static_cast<std::size_t>(r < rank ? r : r - 1) * mine);
+        }
+        note(MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs,
+                            MPI_BYTE, comm, &bs.requests[bs.pending++]),
+             "MPI_Ialltoallv");
+        return;
+      }
       for (int r = 0, slot = 0; r < ranks; ++r) {
         if (r == rank) continue;
         note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
@@ -852,6 +900,18 @@ struct call {
           const Buf* in = r == rank ? own : from(r) + j0;
           for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
         }
+      }
+      if (collectives) {
+        int* counts = bs.counts;
+        int* displs = bs.counts + ranks;
+        for (int r = 0; r < ranks; ++r) {
+          counts[r] = bytes_of(slice_begin(sh.len, r + 1) - slice_begin(sh.len, r));
+          displs[r] = bytes_of(slice_begin(sh.len, r));
+        }
+        note(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, counts, displs, MPI_BYTE, comm,
+                             &bs.requests[bs.pending++]),
+             "MPI_Iallgatherv");
+        return;
       }
       for (int r = 0; r < ranks; ++r) {
         if (r == rank) continue;

@@ -517,16 +517,26 @@ inline std::string describe_number(double x) {
   return std::string(text, end);
 }
 
-/// Checks the options of the fused step against T towers and V variables (option_error,
-/// weight_error), before anything is written. accumulator_max: the largest finite value of the
-/// accumulator type, which the scale, every weight and the weights' sum are converted to.
 /// How many towers weigh more than 0 (summary::weighted_towers).
 inline std::size_t positive_weights(std::span<const double> weights) noexcept {
   return static_cast<std::size_t>(std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
 }
 
+/// Whether a sum of weights can be the divisor in the accumulator type whose largest finite value
+/// is accumulator_max: positive, normal and finite there.
+inline bool usable_weight_sum(double sum, double accumulator_max) noexcept {
+  const double smallest = accumulator_max > 1e300 ? std::numeric_limits<double>::min()
+                                                  : static_cast<double>(std::numeric_limits<float>::min());
+  return sum >= smallest && sum <= accumulator_max;
+}
+
+/// Checks the options of the fused step against T towers and V variables (option_error,
+/// weight_error), before anything is written. accumulator_max: the largest finite value of the
+/// accumulator type, which the scale, every weight and the weights' sum are converted to.
+/// partial_weights: the towers are one rank's part of a call across ranks (gradavg::mpi): their
+/// weights may sum to 0 (the sum over every rank is checked once the ranks' sums are known).
 inline void validate_options(const options& opts, std::size_t towers, std::size_t variables,
-                             double accumulator_max) {
+                             double accumulator_max, bool partial_weights = false) {
   if (!opts.weights.empty()) {
     if (opts.weights.size() != towers)
       throw weight_error("gradavg: options.weights holds " + std::to_string(opts.weights.size()) +
@@ -540,9 +550,7 @@ inline void validate_options(const options& opts, std::size_t towers, std::size_
       sum += w;
     }
     // The sum becomes the divisor in the accumulator type: it must stay positive and finite there.
-    const double smallest = accumulator_max > 1e300 ? std::numeric_limits<double>::min()
-                                                    : static_cast<double>(std::numeric_limits<float>::min());
-    if (!(sum >= smallest) || !(sum <= accumulator_max))
+    if (!(partial_weights ? sum <= accumulator_max : usable_weight_sum(sum, accumulator_max)))
       throw weight_error("gradavg: options.weights sum to " + describe_number(sum) +
                          "; the sum must be positive and finite (a normal number in the accumulator type)");
   }
