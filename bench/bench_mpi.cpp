@@ -1,19 +1,29 @@
 // gradavg::mpi against the ways users average across processes today, on ResNet-50 and BERT-base
-// parameter layouts (model_shapes.hpp), float gradients, 1 and 2 towers per rank, mean alone and
-// mean + squares:
-//   gradavg_mpi      gradavg::mpi::average_gradients_into (fusion buffers of --fusion-mib; 0, the
-//                    default: gradavg::mpi::automatic_fusion_bytes)
-//   per_variable     (a) a local Eigen sum of the rank's towers, one in-place MPI_Allreduce per
-//                    variable, a divide (PyTorch's C++ dist-mnist example)
-//   horovod_64mib    (b) local Eigen sum, pack into a 64 MiB fusion buffer, MPI_Allreduce, unpack,
-//                    divide: separate passes (Horovod's way)
-//   allreduce_only   MPI_Allreduce alone over the same bytes in the same bucket sizes as gradavg_mpi
-//                    (the communication gradavg_mpi's local work would hide behind)
-// Each point: --reps timed repetitions after 2 warm-ups; a repetition's time is the slowest rank's
-// (MPI_MAX), the point's the median. Rank 0 prints one line per point.
+// parameter layouts (model_shapes.hpp), float gradients, T towers per rank (--towers, default 1
+// and 8), mean alone and mean + squares. Methods, each timed once per round, rounds interleaved:
+//   allreduce      one in-place MPI_Allreduce over the bytes gradavg moves (P floats, 2P with
+//                  squares), alone: the communication gradavg's local work would hide behind
+//   local          the local pass alone: gradavg::average_gradients_into over this rank's towers
+//   per_variable   a local Eigen sum of the rank's towers, one in-place MPI_Allreduce per variable
+//                  (and per squares variable), a divide (PyTorch's C++ dist-mnist example)
+//   horovod_64mib  local Eigen sum, pack into a 64 MiB fusion buffer, MPI_Allreduce, unpack,
+//                  divide: separate passes (Horovod's way); only with --horovod 1
+//   exchange_p2p   gradavg's exchange alone, without the local pass: per bucket (automatic size,
+//                  three in flight), each slice to its owner, the owner's sum in rank order, the sum
+//                  back to every rank, by MPI_Isend / MPI_Irecv; only with --schedules 1
+//   exchange_collectives  the same through MPI_Ialltoallv and MPI_Iallgatherv; --schedules 1
+//   gradavg/F      gradavg::mpi::average_gradients_into with a workspace, fusion buffers of F MiB
+//                  (--fusion-mib, a comma-separated list; 0: automatic_fusion_bytes); with
+//                  --collectives 1 also gradavg/F/collectives (options.exchange = collectives)
+// A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
+// median over --rounds rounds, after one warm-up round. Every gradavg result (every fusion size,
+// every round) is hashed and compared across ranks and with the first: the bench exits 1 if any
+// differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
+// (MPI_Sendrecv, median of 5), reported in Gbit/s per direction.
 //
-//   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|all] [--towers 1|2|0 (both)]
-//                                  [--squares 0|1|2 (both)] [--reps N] [--fusion-mib M]
+//   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|all] [--towers 1,8]
+//       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
+//       [--schedules 0|1] [--collectives 0|1]
 #include <gradavg/gradavg.hpp>
 #include <gradavg/mpi.hpp>
 
@@ -21,6 +31,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,10 +51,14 @@ using gradavg_bench::model_shapes;
 
 struct config {
   std::string model = "all";
-  int towers = 0;   // 0: 1 and 2
+  std::vector<int> towers = {1, 8};
   int squares = 2;  // 2: without and with
-  int reps = 10;
-  std::size_t fusion_mib = 0;  // 0: gradavg's automatic bucket size
+  int rounds = 5;
+  std::vector<int> fusion_mib = {0};  // 0: gradavg's automatic bucket size
+  std::size_t threads = 1;
+  bool horovod = false;
+  bool schedules = false;
+  bool collectives = false;
 };
 
 int rank_of() {
@@ -52,20 +67,51 @@ int rank_of() {
   return r;
 }
 
-/// Median over reps of the slowest rank's time of f, in milliseconds.
-double time_ms(int reps, const std::function<void()>& f) {
-  for (int w = 0; w < 2; ++w) f();
+/// The slowest rank's time of one call of f, in milliseconds.
+double time_once_ms(const std::function<void()>& f) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  const double start = MPI_Wtime();
+  f();
+  double mine = MPI_Wtime() - start, slowest = 0;
+  MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return slowest * 1e3;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// FNV-1a over the bytes of every vector.
+std::uint64_t hash_of(const std::vector<std::vector<float>>& vs) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& v : vs) {
+    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
+    for (std::size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ p[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+/// The median achieved rate of a 32 MiB MPI_Sendrecv with rank ^ 1, Gbit/s per direction (0 for
+/// a rank without a partner).
+double link_check_gbit() {
+  int ranks = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
+  const int partner = rank_of() ^ 1;
+  const std::size_t bytes = std::size_t{32} << 20;
+  std::vector<char> out(bytes, 1), in(bytes);
   std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
+  for (int rep = 0; rep < 6; ++rep) {
     MPI_Barrier(MPI_COMM_WORLD);
     const double start = MPI_Wtime();
-    f();
+    if (partner < ranks)
+      MPI_Sendrecv(out.data(), static_cast<int>(bytes), MPI_BYTE, partner, 7, in.data(), static_cast<int>(bytes),
+                   MPI_BYTE, partner, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
     double mine = MPI_Wtime() - start, slowest = 0;
     MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    t.push_back(slowest * 1e3);
+    if (rep > 0) t.push_back(slowest);
   }
-  std::sort(t.begin(), t.end());
-  return t[t.size() / 2];
+  return static_cast<double>(bytes) * 8 / median(t) / 1e9;
 }
 
 using Map = Eigen::Map<Eigen::ArrayXf>;
@@ -111,108 +157,265 @@ struct problem {
   }
 };
 
-void run_model(const model_shapes& m, int towers, bool with_squares, const config& cfg, int ranks) {
+struct method {
+  std::string name;
+  std::function<void()> f;
+  bool checked = false;  // a gradavg result: hashed after every call
+};
+
+/// Runs one cell; false when a gradavg result differed between ranks or from run to run.
+bool run_model(const model_shapes& m, int towers, bool with_squares, const config& cfg, int ranks) {
   problem p(m, towers);
   const float total_towers = static_cast<float>(towers * ranks);
-  gradavg::mpi::workspace work;
-  gradavg::mpi::options opts;
-  opts.work = &work;
-  opts.fusion_bytes = cfg.fusion_mib << 20;
   const std::size_t V = p.sizes.size();
+  std::vector<method> methods;
 
-  auto gradavg_mpi = [&] {
-    if (with_squares) gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
-    else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, opts);
-  };
-  auto per_variable = [&] {
-    for (std::size_t i = 0; i < V; ++i) {
-      float* out = p.means[i].data();
-      float* sq = with_squares ? p.squares[i].data() : nullptr;
-      p.local_sum(i, out, sq);
-      const int n = static_cast<int>(p.sizes[i]);
-      MPI_Allreduce(MPI_IN_PLACE, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-      Map(out, n) /= total_towers;
-      if (sq) {
-        MPI_Allreduce(MPI_IN_PLACE, sq, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        Map(sq, n) /= total_towers;
-      }
-    }
-  };
+  // allreduce: the same bytes in one call.
+  const std::size_t all_floats = p.total * (with_squares ? 2 : 1);
+  std::vector<float> flat(all_floats, 1.0f);
+  methods.push_back({"allreduce", [&] {
+                       MPI_Allreduce(MPI_IN_PLACE, flat.data(), static_cast<int>(all_floats), MPI_FLOAT, MPI_SUM,
+                                     MPI_COMM_WORLD);
+                     }});
+  gradavg::options local_opts;
+  local_opts.threads = cfg.threads;
+  std::vector<std::vector<float>> local_means = p.means, local_squares = p.squares;
+  methods.push_back({"local", [&] {
+                       if (with_squares)
+                         gradavg::average_gradients_into(p.entries, local_means, local_squares, local_opts);
+                       else gradavg::average_gradients_into(p.entries, local_means, local_opts);
+                     }});
+  methods.push_back({"per_variable", [&] {
+                       for (std::size_t i = 0; i < V; ++i) {
+                         float* out = p.means[i].data();
+                         float* sq = with_squares ? p.squares[i].data() : nullptr;
+                         p.local_sum(i, out, sq);
+                         const int n = static_cast<int>(p.sizes[i]);
+                         MPI_Allreduce(MPI_IN_PLACE, out, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                         Map(out, n) /= total_towers;
+                         if (sq) {
+                           MPI_Allreduce(MPI_IN_PLACE, sq, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+                           Map(sq, n) /= total_towers;
+                         }
+                       }
+                     }});
   // Horovod: fusion buffer of 64 MiB; tensors packed in order (squares after their means), a tensor
   // larger than the buffer reduced on its own.
   const std::size_t fusion_floats = (std::size_t{64} << 20) / sizeof(float);
-  std::vector<float> fusion(fusion_floats);
-  std::vector<std::vector<float>> summed(V), summed_sq(V);
-  for (std::size_t i = 0; i < V; ++i) {
-    summed[i].resize(p.sizes[i]);
-    if (with_squares) summed_sq[i].resize(p.sizes[i]);
-  }
-  auto horovod = [&] {
-    for (std::size_t i = 0; i < V; ++i) p.local_sum(i, summed[i].data(), with_squares ? summed_sq[i].data() : nullptr);
-    std::vector<float*> tensors, outs;
-    std::vector<std::size_t> lengths;
+  std::vector<float> fusion;
+  std::vector<std::vector<float>> summed, summed_sq;
+  if (cfg.horovod) {
+    fusion.resize(fusion_floats);
+    summed.resize(V);
+    summed_sq.resize(V);
     for (std::size_t i = 0; i < V; ++i) {
-      tensors.push_back(summed[i].data());
-      outs.push_back(p.means[i].data());
-      lengths.push_back(p.sizes[i]);
-      if (with_squares) {
-        tensors.push_back(summed_sq[i].data());
-        outs.push_back(p.squares[i].data());
-        lengths.push_back(p.sizes[i]);
-      }
+      summed[i].resize(p.sizes[i]);
+      if (with_squares) summed_sq[i].resize(p.sizes[i]);
     }
-    std::size_t t = 0;
-    while (t < tensors.size()) {
-      if (lengths[t] > fusion_floats) {  // alone, in place
-        MPI_Allreduce(MPI_IN_PLACE, tensors[t], static_cast<int>(lengths[t]), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        std::memcpy(outs[t], tensors[t], lengths[t] * sizeof(float));
-        Map(outs[t], static_cast<Eigen::Index>(lengths[t])) /= total_towers;
-        ++t;
-        continue;
+    methods.push_back({"horovod_64mib", [&] {
+                         std::vector<float*> tensors, outs;
+                         std::vector<std::size_t> lengths;
+                         for (std::size_t i = 0; i < V; ++i) {
+                           p.local_sum(i, summed[i].data(), with_squares ? summed_sq[i].data() : nullptr);
+                           tensors.push_back(summed[i].data());
+                           outs.push_back(p.means[i].data());
+                           lengths.push_back(p.sizes[i]);
+                           if (with_squares) {
+                             tensors.push_back(summed_sq[i].data());
+                             outs.push_back(p.squares[i].data());
+                             lengths.push_back(p.sizes[i]);
+                           }
+                         }
+                         std::size_t t = 0;
+                         while (t < tensors.size()) {
+                           if (lengths[t] > fusion_floats) {  // alone, in place
+                             MPI_Allreduce(MPI_IN_PLACE, tensors[t], static_cast<int>(lengths[t]), MPI_FLOAT,
+                                           MPI_SUM, MPI_COMM_WORLD);
+                             std::memcpy(outs[t], tensors[t], lengths[t] * sizeof(float));
+                             Map(outs[t], static_cast<Eigen::Index>(lengths[t])) /= total_towers;
+                             ++t;
+                             continue;
+                           }
+                           std::size_t used = 0, first = t;
+                           for (; t < tensors.size() && lengths[t] <= fusion_floats &&
+                                  used + lengths[t] <= fusion_floats;
+                                ++t) {
+                             std::memcpy(fusion.data() + used, tensors[t], lengths[t] * sizeof(float));
+                             used += lengths[t];
+                           }
+                           MPI_Allreduce(MPI_IN_PLACE, fusion.data(), static_cast<int>(used), MPI_FLOAT, MPI_SUM,
+                                         MPI_COMM_WORLD);
+                           used = 0;
+                           for (std::size_t u = first; u < t; ++u) {
+                             std::memcpy(outs[u], fusion.data() + used, lengths[u] * sizeof(float));
+                             used += lengths[u];
+                           }
+                           for (std::size_t u = first; u < t; ++u)
+                             Map(outs[u], static_cast<Eigen::Index>(lengths[u])) /= total_towers;
+                         }
+                       }});
+  }
+  // gradavg's exchange alone (no local pass), and the same exchange through MPI's nonblocking
+  // collectives (MPI_Ialltoallv, the ordered sum, MPI_Iallgatherv): buckets of the automatic size,
+  // three in flight, as gradavg pipelines them.
+  const std::size_t bucket =
+      std::min(all_floats, gradavg::mpi::automatic_fusion_bytes(ranks) / sizeof(float));
+  const std::size_t stride = 2 * bucket + static_cast<std::size_t>(ranks);
+  std::vector<float> sets(3 * stride);  // per set: the bucket, then every rank's slice
+  std::vector<MPI_Request> requests(3 * 2 * static_cast<std::size_t>(ranks));
+  std::vector<int> counts(static_cast<std::size_t>(ranks)), displs(counts.size()), recv_counts(counts.size()),
+      recv_displs(counts.size());
+  auto schedule = [&](bool collectives) {
+    const std::size_t buckets = (all_floats + bucket - 1) / bucket;
+    const int me = rank_of();
+    const std::size_t R = static_cast<std::size_t>(ranks);
+    auto len_of = [&](std::size_t b) { return std::min(bucket, all_floats - b * bucket); };
+    auto at = [&](std::size_t len, std::size_t r) { return len * r / R; };
+    std::size_t pending[3] = {};
+    auto wait = [&](std::size_t s) {
+      MPI_Waitall(static_cast<int>(pending[s]), requests.data() + s * 2 * R, MPI_STATUSES_IGNORE);
+      pending[s] = 0;
+    };
+    auto scatter = [&](std::size_t b) {
+      const std::size_t s = b % 3, len = len_of(b), mine = at(len, me + 1) - at(len, me);
+      float* local = sets.data() + s * stride;
+      float* recv = local + bucket;
+      MPI_Request* req = requests.data() + s * 2 * R;
+      if (collectives) {
+        for (std::size_t r = 0; r < R; ++r) {
+          counts[r] = static_cast<int>(at(len, r + 1) - at(len, r));
+          displs[r] = static_cast<int>(at(len, r));
+          recv_counts[r] = static_cast<int>(mine);
+          recv_displs[r] = static_cast<int>(mine * r);
+        }
+        MPI_Ialltoallv(local, counts.data(), displs.data(), MPI_FLOAT, recv, recv_counts.data(), recv_displs.data(),
+                       MPI_FLOAT, MPI_COMM_WORLD, req);
+        pending[s] = 1;
+        return;
       }
-      std::size_t used = 0, first = t;
-      for (; t < tensors.size() && lengths[t] <= fusion_floats && used + lengths[t] <= fusion_floats; ++t) {
-        std::memcpy(fusion.data() + used, tensors[t], lengths[t] * sizeof(float));  // pack
-        used += lengths[t];
+      for (std::size_t r = 0; r < R; ++r)
+        if (r != static_cast<std::size_t>(me))
+          MPI_Irecv(recv + mine * r, static_cast<int>(mine), MPI_FLOAT, static_cast<int>(r), 1, MPI_COMM_WORLD,
+                    &req[pending[s]++]);
+      for (std::size_t r = 0; r < R; ++r)
+        if (r != static_cast<std::size_t>(me))
+          MPI_Isend(local + at(len, r), static_cast<int>(at(len, r + 1) - at(len, r)), MPI_FLOAT,
+                    static_cast<int>(r), 1, MPI_COMM_WORLD, &req[pending[s]++]);
+    };
+    auto reduce_and_gather = [&](std::size_t b) {
+      const std::size_t s = b % 3, len = len_of(b), first = at(len, me), mine = at(len, me + 1) - first;
+      wait(s);
+      float* local = sets.data() + s * stride;
+      const float* recv = local + bucket;
+      for (std::size_t r = 0; r < R; ++r)  // the owner's sum, in rank order
+        if (r != static_cast<std::size_t>(me))
+          for (std::size_t j = 0; j < mine; ++j) local[first + j] += recv[mine * r + j];
+      MPI_Request* req = requests.data() + s * 2 * R;
+      if (collectives) {
+        for (std::size_t r = 0; r < R; ++r) {
+          counts[r] = static_cast<int>(at(len, r + 1) - at(len, r));
+          displs[r] = static_cast<int>(at(len, r));
+        }
+        MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_FLOAT, local, counts.data(), displs.data(), MPI_FLOAT, MPI_COMM_WORLD,
+                        req);
+        pending[s] = 1;
+        return;
       }
-      MPI_Allreduce(MPI_IN_PLACE, fusion.data(), static_cast<int>(used), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-      used = 0;
-      for (std::size_t u = first; u < t; ++u) {  // unpack, then divide: separate passes
-        std::memcpy(outs[u], fusion.data() + used, lengths[u] * sizeof(float));
-        used += lengths[u];
-      }
-      for (std::size_t u = first; u < t; ++u) Map(outs[u], static_cast<Eigen::Index>(lengths[u])) /= total_towers;
+      for (std::size_t r = 0; r < R; ++r)
+        if (r != static_cast<std::size_t>(me))
+          MPI_Irecv(local + at(len, r), static_cast<int>(at(len, r + 1) - at(len, r)), MPI_FLOAT,
+                    static_cast<int>(r), 2, MPI_COMM_WORLD, &req[pending[s]++]);
+      for (std::size_t r = 0; r < R; ++r)
+        if (r != static_cast<std::size_t>(me))
+          MPI_Isend(local + first, static_cast<int>(mine), MPI_FLOAT, static_cast<int>(r), 2, MPI_COMM_WORLD,
+                    &req[pending[s]++]);
+    };
+    for (std::size_t b = 0; b < buckets + 2; ++b) {
+      if (b < buckets) scatter(b);
+      if (b >= 1 && b - 1 < buckets) reduce_and_gather(b - 1);
+      if (b >= 2) wait((b - 2) % 3);
     }
   };
-  // The bytes gradavg_mpi moves, in its bucket sizes, reduced by MPI alone.
-  const std::size_t bucket_floats =
-      (opts.fusion_bytes != 0 ? opts.fusion_bytes : gradavg::mpi::automatic_fusion_bytes(ranks)) / sizeof(float);
-  const std::size_t all_floats = p.total * (with_squares ? 2 : 1);
-  std::vector<float> flat(std::min(all_floats, bucket_floats));
-  auto allreduce_only = [&] {
-    for (std::size_t done = 0; done < all_floats; done += bucket_floats) {
-      const int n = static_cast<int>(std::min(bucket_floats, all_floats - done));
-      MPI_Allreduce(MPI_IN_PLACE, flat.data(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-    }
-  };
+  if (cfg.schedules) {
+    methods.push_back({"exchange_p2p", [&] { schedule(false); }});
+    methods.push_back({"exchange_collectives", [&] { schedule(true); }});
+  }
+  const std::size_t gradavg_methods = cfg.fusion_mib.size() * (cfg.collectives ? 2 : 1);
+  std::vector<gradavg::mpi::workspace> work(gradavg_methods);
+  for (std::size_t f = 0; f < gradavg_methods; ++f) {
+    const int mib = cfg.fusion_mib[f % cfg.fusion_mib.size()];
+    const bool collectives = f >= cfg.fusion_mib.size();
+    methods.push_back({"gradavg/" + (mib == 0 ? std::string("auto") : std::to_string(mib) + "MiB") +
+                           (collectives ? "/collectives" : ""),
+                       [&, mib, f, collectives] {
+                         gradavg::mpi::options opts;
+                         opts.work = &work[f];
+                         opts.threads = cfg.threads;
+                         opts.fusion_bytes = static_cast<std::size_t>(mib) << 20;
+                         if (collectives) opts.exchange = gradavg::mpi::exchange_method::collectives;
+                         if (with_squares)
+                           gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
+                         else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, opts);
+                       },
+                       true});
+  }
 
-  struct method {
-    const char* name;
-    std::function<void()> f;
-  };
-  const method methods[] = {{"gradavg_mpi", gradavg_mpi},
-                            {"per_variable", per_variable},
-                            {"horovod_64mib", horovod},
-                            {"allreduce_only", allreduce_only}};
-  double ms[4];
-  for (int j = 0; j < 4; ++j) ms[j] = time_ms(cfg.reps, methods[j].f);
+  // Rounds: every method once per round, in order; round 0 is the warm-up.
+  std::vector<std::vector<double>> times(methods.size());
+  std::uint64_t reference = 0;
+  bool same = true, have_reference = false;
+  for (int round = 0; round <= cfg.rounds; ++round)
+    for (std::size_t j = 0; j < methods.size(); ++j) {
+      const double ms = time_once_ms(methods[j].f);
+      if (round > 0) times[j].push_back(ms);
+      if (!methods[j].checked) continue;
+      const std::uint64_t h = hash_of(p.means) ^ (with_squares ? hash_of(p.squares) * 31 : 0);
+      if (!have_reference) {
+        reference = h;
+        MPI_Bcast(&reference, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+        have_reference = true;
+      }
+      int differs = h != reference ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+      same = same && differs == 0;
+    }
+
+  std::vector<double> med(methods.size());
+  for (std::size_t j = 0; j < methods.size(); ++j) med[j] = median(times[j]);
   if (rank_of() == 0) {
-    std::printf("%-9s towers/rank %d %-14s", m.name.c_str(), towers, with_squares ? "mean+squares" : "mean");
-    for (int j = 0; j < 4; ++j) std::printf("  %s %7.1f ms", methods[j].name, ms[j]);
-    std::printf("  | (a)/gradavg %.2fx  (b)/gradavg %.2fx  gradavg/allreduce %.2fx\n", ms[1] / ms[0], ms[2] / ms[0],
-                ms[0] / ms[3]);
+    const double allreduce = med[0], local = med[1], per_variable = med[2];
+    std::size_t best = methods.size() - gradavg_methods;
+    for (std::size_t j = best; j < methods.size(); ++j)
+      if (med[j] < med[best]) best = j;
+    const std::size_t first_gradavg = methods.size() - gradavg_methods;
+    const double bound = std::max(local, allreduce);
+    std::printf("%-9s T=%d %-12s", m.name.c_str(), towers, with_squares ? "mean+squares" : "mean");
+    for (std::size_t j = 0; j < methods.size(); ++j) {
+      std::printf("  %s %.1f", methods[j].name.c_str(), med[j]);
+      if (times[j].size() > 1) {
+        const auto [lo, hi] = std::minmax_element(times[j].begin(), times[j].end());
+        std::printf(" [%.0f-%.0f]", *lo, *hi);
+      }
+    }
+    std::printf(" ms\n    %s: %.2fx allreduce, %.2fx max(local, allreduce); per_variable/gradavg %.2fx of %.2fx "
+                "(perfect overlap); %s: %.2fx allreduce; %s\n",
+                methods[first_gradavg].name.c_str(), med[first_gradavg] / allreduce, med[first_gradavg] / bound,
+                per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
+                med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
     std::fflush(stdout);
   }
+  return same;
+}
+
+std::vector<int> parse_list(const char* v) {
+  std::vector<int> out;
+  for (const char* s = v; *s != 0;) {
+    char* end = nullptr;
+    out.push_back(static_cast<int>(std::strtol(s, &end, 10)));
+    if (end == s) return {};
+    s = *end == ',' ? end + 1 : end;
+  }
+  return out;
 }
 
 bool parse(int argc, char** argv, config& c) {
@@ -220,13 +423,20 @@ bool parse(int argc, char** argv, config& c) {
     const std::string_view a = argv[i];
     const char* v = argv[i + 1];
     if (a == "--model") c.model = v;
-    else if (a == "--towers") c.towers = std::atoi(v);
+    else if (a == "--towers") c.towers = parse_list(v);
     else if (a == "--squares") c.squares = std::atoi(v);
-    else if (a == "--reps") c.reps = std::max(1, std::atoi(v));
-    else if (a == "--fusion-mib") c.fusion_mib = static_cast<std::size_t>(std::max(0, std::atoi(v)));
+    else if (a == "--rounds") c.rounds = std::max(1, std::atoi(v));
+    else if (a == "--fusion-mib") c.fusion_mib = parse_list(v);
+    else if (a == "--threads") c.threads = static_cast<std::size_t>(std::max(1, std::atoi(v)));
+    else if (a == "--horovod") c.horovod = std::atoi(v) != 0;
+    else if (a == "--schedules") c.schedules = std::atoi(v) != 0;
+    else if (a == "--collectives") c.collectives = std::atoi(v) != 0;
     else return false;
   }
-  return argc % 2 == 1;
+  const auto positive = [](int x) { return x > 0; };
+  const auto non_negative = [](int x) { return x >= 0 && x <= 1024; };
+  return argc % 2 == 1 && !c.towers.empty() && std::all_of(c.towers.begin(), c.towers.end(), positive) &&
+         !c.fusion_mib.empty() && std::all_of(c.fusion_mib.begin(), c.fusion_mib.end(), non_negative);
 }
 
 }  // namespace
@@ -241,22 +451,24 @@ int main(int argc, char** argv) {
     MPI_Finalize();
     return 2;
   }
+  const double gbit = link_check_gbit();
   if (rank_of() == 0) {
     char version[MPI_MAX_LIBRARY_VERSION_STRING];
     int len = 0;
     MPI_Get_library_version(version, &len);
-    const std::size_t fusion_bytes = cfg.fusion_mib != 0 ? cfg.fusion_mib << 20 : gradavg::mpi::automatic_fusion_bytes(ranks);
-    std::printf("%d ranks; fusion buffers %zu KiB%s; %.*s\n", ranks, fusion_bytes >> 10, cfg.fusion_mib != 0 ? "" : " (automatic)",
+    std::printf("%d ranks; link check %.2f Gbit/s per direction; automatic fusion buffers %zu KiB; threads %zu; "
+                "%d rounds; %.*s\n",
+                ranks, gbit, gradavg::mpi::automatic_fusion_bytes(ranks) >> 10, cfg.threads, cfg.rounds,
                 static_cast<int>(std::strcspn(version, ",\n")), version);
+    std::fflush(stdout);
   }
+  bool same = true;
   for (const model_shapes& m : {gradavg_bench::resnet50_shapes(), gradavg_bench::bert_base_shapes()}) {
     if (cfg.model != "all" && cfg.model != m.name) continue;
-    for (int towers : {1, 2}) {
-      if (cfg.towers != 0 && cfg.towers != towers) continue;
+    for (int towers : cfg.towers)
       for (int sq : {0, 1})
-        if (cfg.squares == 2 || cfg.squares == sq) run_model(m, towers, sq == 1, cfg, ranks);
-    }
+        if (cfg.squares == 2 || cfg.squares == sq) same = run_model(m, towers, sq == 1, cfg, ranks) && same;
   }
   MPI_Finalize();
-  return 0;
+  return same ? 0 : 1;
 }
