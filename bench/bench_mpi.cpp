@@ -14,7 +14,7 @@
 //   exchange_collectives  the same through MPI_Ialltoallv and MPI_Iallgatherv; --schedules 1
 //   gradavg/F      gradavg::mpi::average_gradients_into with a workspace, fusion buffers of F MiB
 //                  (--fusion-mib, a comma-separated list; 0: automatic_fusion_bytes); with
-//                  --collectives 1 also gradavg/F/collectives (options.exchange = collectives)
+//                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange)
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round. Every gradavg result (every fusion size,
 // every round) is hashed and compared across ranks and with the first: the bench exits 1 if any
@@ -23,7 +23,7 @@
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
-//       [--schedules 0|1] [--collectives 0|1]
+//       [--schedules 0|1] [--point-to-point 0|1]
 #include <gradavg/gradavg.hpp>
 #include <gradavg/mpi.hpp>
 
@@ -58,7 +58,7 @@ struct config {
   std::size_t threads = 1;
   bool horovod = false;
   bool schedules = false;
-  bool collectives = false;
+  bool point_to_point = false;
 };
 
 int rank_of() {
@@ -340,19 +340,19 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
     methods.push_back({"exchange_p2p", [&] { schedule(false); }});
     methods.push_back({"exchange_collectives", [&] { schedule(true); }});
   }
-  const std::size_t gradavg_methods = cfg.fusion_mib.size() * (cfg.collectives ? 2 : 1);
+  const std::size_t gradavg_methods = cfg.fusion_mib.size() * (cfg.point_to_point ? 2 : 1);
   std::vector<gradavg::mpi::workspace> work(gradavg_methods);
   for (std::size_t f = 0; f < gradavg_methods; ++f) {
     const int mib = cfg.fusion_mib[f % cfg.fusion_mib.size()];
-    const bool collectives = f >= cfg.fusion_mib.size();
+    const bool point_to_point = f >= cfg.fusion_mib.size();
     methods.push_back({"gradavg/" + (mib == 0 ? std::string("auto") : std::to_string(mib) + "MiB") +
-                           (collectives ? "/collectives" : ""),
-                       [&, mib, f, collectives] {
+                           (point_to_point ? "/point_to_point" : ""),
+                       [&, mib, f, point_to_point] {
                          gradavg::mpi::options opts;
                          opts.work = &work[f];
                          opts.threads = cfg.threads;
                          opts.fusion_bytes = static_cast<std::size_t>(mib) << 20;
-                         if (collectives) opts.exchange = gradavg::mpi::exchange_method::collectives;
+                         if (point_to_point) opts.exchange = gradavg::mpi::exchange_method::point_to_point;
                          if (with_squares)
                            gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
                          else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, opts);
@@ -430,7 +430,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--threads") c.threads = static_cast<std::size_t>(std::max(1, std::atoi(v)));
     else if (a == "--horovod") c.horovod = std::atoi(v) != 0;
     else if (a == "--schedules") c.schedules = std::atoi(v) != 0;
-    else if (a == "--collectives") c.collectives = std::atoi(v) != 0;
+    else if (a == "--point-to-point") c.point_to_point = std::atoi(v) != 0;
     else return false;
   }
   const auto positive = [](int x) { return x > 0; };
