@@ -47,12 +47,12 @@
 // posts receives on comm with MPI_ANY_TAG while the call runs must then give gradavg a
 // communicator of its own, MPI_Comm_dup). Bucket k's communication runs while the kernel fills
 // bucket k+1. The division by the global weight sum (and the statistics) is applied while
-// unpacking into the outputs. So the results are bitwise the
-// same on every rank and from run to run for the same layout, whatever algorithms the MPI library
-// picks. Against the one-process call over the same towers: the means bitwise the same with one
-// tower per rank and unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of
-// the mean, as in one process); the squares within the same bound (one process fuses each
-// tower's square into the running sum, each rank rounds its own sum of squares). The statistics
+// unpacking into the outputs. So the results are bitwise the same on every rank and from run to
+// run for the same layout, whatever algorithms the MPI library picks. Against the one-process
+// call over the same towers: the means bitwise the same with one tower per rank and unit weights;
+// otherwise the sum is grouped by rank (within about T/2 ulp of the mean, as in one process); the
+// squares within the same bound (one process fuses each tower's square into the running sum, each
+// rank rounds its own sum of squares). The statistics
 // are summed in double, one running sum per variable in element order, so they are bitwise the
 // same for every fusion_bytes (not bitwise those of one process). With
 // accumulation::double_precision, float gradients are summed in float within a rank, and across
@@ -120,8 +120,7 @@ constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
 /// both give the same bits (docs/mpi.md, "Cost on a link").
 enum class exchange_method : unsigned char {
   /// MPI_Ialltoallv to the slices' owners, then MPI_Iallgatherv of the summed slices: the MPI
-  /// library schedules the messages (over Open MPI's TCP transport with its default settings, at
-  /// the link's rate where point_to_point was not).
+  /// library schedules the messages.
   collectives,
   /// MPI_Isend / MPI_Irecv with every other rank, tags 0x4741 and 0x4742 on comm (code that posts
   /// MPI_ANY_TAG receives on comm while the call runs must give gradavg a communicator of its own).
