@@ -449,6 +449,15 @@ struct call {
     return failure;
   }
 
+  /// The divisor: every rank's weight sum from the gathered headers, added in rank order (the same
+  /// value on every rank, checked in agreement and used by the data path).
+  double total_weight(const std::uint64_t* all) const noexcept {
+    double sum = 0;
+    for (int r = 0; r < ranks; ++r)
+      sum += bits_to_double(all[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
+    return sum;
+  }
+
   /// Throws the error every rank agrees on from the gathered headers, if any. Allocates nothing
   /// unless ranks disagree (then every rank throws).
   void agree_on_headers(const std::uint64_t* all) const {
@@ -496,9 +505,7 @@ struct call {
         throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
                            " a different " + std::string(n.what) + " than " + rank_list(d.common) +
                            "; every rank must pass the same");
-    // The divisor: every rank's weight sum, added in rank order (as the data path does).
-    double weight_sum = 0;
-    for (int r = 0; r < ranks; ++r) weight_sum += bits_to_double(field(r, h_weight_sum));
+    const double weight_sum = total_weight(all);
     if (!gradavg::detail::usable_weight_sum(weight_sum, gradavg::detail::accumulator_max<S>(opts)))
       throw weight_error("gradavg::mpi: options.weights sum to " + gradavg::detail::describe_number(weight_sum) +
                          " over the towers of every rank; that sum must be positive and finite (a normal number in "
@@ -701,12 +708,11 @@ struct call {
   summary run() {
     const std::uint64_t* headers = work.words.data();
     std::size_t total_towers = 0, weighted_towers = 0;
-    double weight_sum = 0;
     for (int r = 0; r < ranks; ++r) {
       total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
       weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
-      weight_sum += bits_to_double(headers[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
     }
+    const double weight_sum = total_weight(headers);
     const bool squares_in_buffer = this->squares_in_buffer();
     const bool detect = this->detect();
     const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
