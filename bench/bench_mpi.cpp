@@ -100,18 +100,15 @@ double link_check_gbit() {
   const int partner = rank_of() ^ 1;
   const std::size_t bytes = std::size_t{32} << 20;
   std::vector<char> out(bytes, 1), in(bytes);
-  std::vector<double> t;
-  for (int rep = 0; rep < 6; ++rep) {
-    MPI_Barrier(MPI_COMM_WORLD);
-    const double start = MPI_Wtime();
+  auto exchange = [&] {
     if (partner < ranks)
       MPI_Sendrecv(out.data(), static_cast<int>(bytes), MPI_BYTE, partner, 7, in.data(), static_cast<int>(bytes),
                    MPI_BYTE, partner, 7, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-    double mine = MPI_Wtime() - start, slowest = 0;
-    MPI_Allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-    if (rep > 0) t.push_back(slowest);
-  }
-  return static_cast<double>(bytes) * 8 / median(t) / 1e9;
+  };
+  time_once_ms(exchange);  // warm-up
+  std::vector<double> ms;
+  for (int rep = 0; rep < 5; ++rep) ms.push_back(time_once_ms(exchange));
+  return static_cast<double>(bytes) * 8 / (median(ms) * 1e-3) / 1e9;
 }
 
 using Map = Eigen::Map<Eigen::ArrayXf>;

@@ -23,6 +23,7 @@ pfx=ga
 hub="${pfx}hub"
 net=10.214.0
 state=/tmp/gradavg-netlink.ranks
+max_ranks=8
 
 [ "$(id -u)" -eq 0 ] || { echo "netlink.sh: needs root (ip netns, tc)" >&2; exit 2; }
 if ! command -v tc > /dev/null || ! command -v ip > /dev/null; then
@@ -33,17 +34,16 @@ fi
 ranks() { cat "$state" 2>/dev/null || echo 0; }
 
 teardown() {
-  local r n
-  n="$(ranks)"
-  for ((r = 0; r < (n > 8 ? n : 8); ++r)); do ip netns del "$pfx$r" 2>/dev/null || true; done
+  local r
+  for ((r = 0; r < max_ranks; ++r)); do ip netns del "$pfx$r" 2>/dev/null || true; done
   ip netns del "$hub" 2>/dev/null || true
   rm -f "$state"
 }
 
 setup() {
   local n="$1" r
-  if [ "$n" -lt 2 ] || [ "$n" -gt 8 ]; then
-    echo "netlink.sh: 2 to 8 ranks" >&2
+  if [ "$n" -lt 2 ] || [ "$n" -gt "$max_ranks" ]; then
+    echo "netlink.sh: 2 to $max_ranks ranks" >&2
     exit 2
   fi
   teardown
