@@ -1,5 +1,6 @@
-// The conversions between the accumulator and the storage types (detail/packet.hpp), on every
-// path this build takes (intrinsics where the ISA level has them, Eigen's scalar conversions
+// The conversions between the accumulator and the storage types (detail/packet_level.hpp), at
+// the level this unit's flags imply (detail::unit_level; the instruction-set matrix builds it per
+// level), on every path it takes (intrinsics where the ISA level has them, Eigen's scalar conversions
 // elsewhere), against Eigen's scalar conversions: round to nearest even, exact widening.
 #include <gradavg/gradavg.hpp>
 
@@ -17,8 +18,8 @@
 
 namespace {
 
-using gradavg::detail::packet_ops;
-using gradavg::detail::storage_ops;
+using gradavg::detail::unit_level::packet_ops;
+using gradavg::detail::unit_level::storage_ops;
 
 constexpr std::size_t width = packet_ops<float>::width;
 
@@ -98,7 +99,7 @@ void check_step_stores(const std::vector<float>& values, std::size_t offset, boo
     S* p = buffer + offset;
     if (streaming) {
       storage_ops<S, float>::stream_step(p, v);
-      gradavg::detail::streaming_fence();
+      gradavg::detail::unit_level::streaming_fence();
     } else {
       storage_ops<S, float>::store_step(p, v);
     }

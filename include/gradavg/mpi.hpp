@@ -960,7 +960,6 @@ struct call {
     };
     auto unpack = [&](const bucket_shape& sh, bucket_set& bs) {
       wait_all(bs);
-      bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
       const std::size_t elements = sh.end - sh.begin;
       const Buf* sums = bs.local;
       const Buf* sq = bs.local + elements;
@@ -979,22 +978,14 @@ struct call {
         // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
         constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
         auto divide_into = [&](const Buf* from, O* to) {
-          std::size_t j = 0;
           if constexpr (std::is_same_v<Buf, Acc> && std::is_same_v<O, Acc>) {
             if (opts.streaming_stores) {
-              // The same quotients, in packets stored around the caches from the first aligned one.
-              using ops = gradavg::detail::packet_ops<Acc>;
-              for (; j < len && reinterpret_cast<std::uintptr_t>(to + j) % ops::bytes != 0; ++j) {
-                const Acc x = from[j] / divisor;
-                to[j] = x == x ? x : nan;
-              }
-              const auto d = ops::broadcast(divisor);
-              for (; j + ops::width <= len; j += ops::width)
-                ops::stream(to + j, ops::canonical_nan(ops::div(ops::load(from + j), d)));
-              streamed = true;
+              // The same quotients, stored around the caches.
+              gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
+              return;
             }
           }
-          for (; j < len; ++j) {
+          for (std::size_t j = 0; j < len; ++j) {
             const Acc x = static_cast<Acc>(from[j]) / divisor;
             to[j] = static_cast<O>(x == x ? x : nan);
           }
@@ -1017,7 +1008,6 @@ struct call {
         if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
         if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
       }
-      if (streamed) gradavg::detail::streaming_fence();
       progress();
     };
 

@@ -44,6 +44,30 @@
 #define GRADAVG_ISA_NAMESPACE GRADAVG_ISA_WIDTH_
 #endif
 
+// The kernel's levels in this translation unit (simd.hpp), as simd_level values: every x86-64
+// level from the one its flags imply up (run-time dispatch, GCC and Clang), else the one level of
+// its flags. GRADAVG_NO_DISPATCH: the flags' level alone on x86-64 too.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(GRADAVG_NO_DISPATCH)
+#define GRADAVG_DISPATCH_ 1
+#endif
+#if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define GRADAVG_UNIT_LEVEL_ 4
+#elif defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__)
+#define GRADAVG_UNIT_LEVEL_ 3
+#elif defined(__x86_64__)
+#define GRADAVG_UNIT_LEVEL_ 2
+#elif defined(EIGEN_VECTORIZE_NEON) && !defined(EIGEN_DONT_VECTORIZE)
+#define GRADAVG_UNIT_LEVEL_ 1
+#else
+#define GRADAVG_UNIT_LEVEL_ 0
+#endif
+#if defined(GRADAVG_DISPATCH_)
+#define GRADAVG_TOP_LEVEL_ 4
+#else
+#define GRADAVG_TOP_LEVEL_ GRADAVG_UNIT_LEVEL_
+#endif
+
 /// Opens and closes the level's namespace inside namespace gradavg.
 #define GRADAVG_BEGIN_ISA_NAMESPACE inline namespace GRADAVG_ISA_NAMESPACE {
 #define GRADAVG_END_ISA_NAMESPACE }

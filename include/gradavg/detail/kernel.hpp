@@ -21,8 +21,8 @@
 // zero-padded step), so each element's result depends only on its inputs and T — never on
 // blocking, alignment, how a caller splits [0, n) across threads, or the instruction set: means
 // and squares are the same bits at every level (SSE2, AVX2, AVX-512, NEON, scalar). The fused
-// statistics are sums over elements in lanes of the packet width: bitwise reproducible at one
-// level, not across levels. A NaN result is always the default quiet NaN (NaN inputs' payloads
+// statistics are sums over elements in eight double lanes filled in the same order at every SIMD
+// level (fused_state): the same bits too. A NaN result is always the default quiet NaN (NaN inputs' payloads
 // are not propagated), so NaN results are bitwise reproducible too.
 // Every g_k[j] is read once and mean[j], square[j] written once, after all reads of index j,
 // so mean may be g_0 itself (in place). No other overlap is allowed.
@@ -32,6 +32,11 @@
 // traffic. More towers are folded group by group through an L1-resident block of accumulators.
 // With streaming set, outputs are written with non-temporal stores where the target has them;
 // with prefetch set (large calls), whole steps prefetch each tower's data a little ahead.
+//
+// Levels (simd.hpp): packet_level.hpp and kernel_level.hpp are compiled once per level this
+// translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2, avx2, avx512;
+// detail::generic for a unit without run-time dispatch) and, on x86-64, inside a region that
+// enables the level's instructions for those functions alone; reduce_range picks one per call.
 #pragma once
 
 #include <algorithm>
@@ -42,8 +47,32 @@
 #include <limits>
 #include <type_traits>
 
+#include <Eigen/Core>
+
+#if GRADAVG_UNIT_LEVEL_ >= 2 || defined(GRADAVG_DISPATCH_)
+#include <immintrin.h>
+#endif
+
+#include "../simd.hpp"
 #include "isa.hpp"
-#include "packet.hpp"
+
+/// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
+/// registers out of memory).
+#if defined(__GNUC__) || defined(__clang__)
+#define GRADAVG_INLINE_ [[gnu::always_inline]] inline
+#else
+#define GRADAVG_INLINE_ inline
+#endif
+
+/// Unrolls the loop that follows over a step's few packets, so that per-packet registers
+/// indexed by the loop stay registers.
+#if defined(__clang__)
+#define GRADAVG_UNROLL_ _Pragma("unroll")
+#elif defined(__GNUC__)
+#define GRADAVG_UNROLL_ _Pragma("GCC unroll 8")
+#else
+#define GRADAVG_UNROLL_
+#endif
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
@@ -75,15 +104,6 @@ inline constexpr bool supported_scalar = std::is_same_v<S, float> || std::is_sam
 template <class S, class O>
 inline constexpr bool supported_output =
     std::is_same_v<O, S> || (std::is_same_v<O, float> && std::is_same_v<accumulator_t<S>, float>);
-
-/// Packets per step: one 64-byte cache line of each tower's storage (at least one packet of the
-/// accumulator, at most four): two float packets per line of 16-bit values on AVX-512.
-template <class S, class Acc>
-inline constexpr std::size_t step_packets = std::clamp<std::size_t>(64 / (packet_ops<Acc>::width * sizeof(S)), 1, 4);
-
-/// Elements per step.
-template <class S, class Acc>
-inline constexpr std::size_t step_elements = step_packets<S, Acc> * packet_ops<Acc>::width;
 
 /// Towers summed in registers before going through the accumulator block.
 inline constexpr std::size_t group_towers = 16;
@@ -153,322 +173,6 @@ struct piece_result {
   }
 };
 
-/// Registers of the fused pass over one piece: whether a non-finite input was found, and the
-/// statistics, lane by lane in double (one accumulator per double packet that a packet of Acc
-/// widens into: few enough to stay in registers beside the step's sums).
-template <class Acc>
-struct fused_state {
-  using ops = packet_ops<Acc>;
-  using D = packet_ops<double>;
-  static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
-
-  bool nonfinite = false;
-  typename D::type mean_squared[parts];
-  typename D::type mean_of_squares[parts];
-
-  fused_state() noexcept {
-    for (auto& p : mean_squared) p = D::broadcast(0);
-    for (auto& p : mean_of_squares) p = D::broadcast(0);
-  }
-
-  /// Adds a step's N packets of means m and means of squares q, widened to double: the squares
-  /// m^2 (exact in double for float means) and q summed in pairs of packets, the pairs in order,
-  /// then added to the accumulators — one dependent addition per accumulator and step.
-  template <std::size_t N>
-  GRADAVG_INLINE_ void add_statistics(const typename ops::type (&m)[N], const typename ops::type (&q)[N]) noexcept {
-    typename D::type wide_m[N][parts], wide_q[N][parts];
-    GRADAVG_UNROLL_
-    for (std::size_t u = 0; u < N; ++u) {
-      if constexpr (std::is_same_v<Acc, double>) {
-        wide_m[u][0] = m[u];
-        wide_q[u][0] = q[u];
-      } else {
-        widen_ops::widen(m[u], wide_m[u]);
-        widen_ops::widen(q[u], wide_q[u]);
-      }
-    }
-    GRADAVG_UNROLL_
-    for (std::size_t p = 0; p < parts; ++p) {
-      typename D::type step_m = pair_of_squares(wide_m, 0, p), step_q = pair_sum(wide_q, 0, p);
-      GRADAVG_UNROLL_
-      for (std::size_t u = 2; u < N; u += 2) {
-        step_m = D::add(step_m, pair_of_squares(wide_m, u, p));
-        step_q = D::add(step_q, pair_sum(wide_q, u, p));
-      }
-      mean_squared[p] = D::add(mean_squared[p], step_m);
-      mean_of_squares[p] = D::add(mean_of_squares[p], step_q);
-    }
-  }
-
-  template <std::size_t N>
-  GRADAVG_INLINE_ static typename D::type pair_of_squares(const typename D::type (&w)[N][parts], std::size_t u,
-                                                          std::size_t p) noexcept {
-    const typename D::type first = D::rounded(D::mul(w[u][p], w[u][p]));
-    return u + 1 < N ? D::mul_add(w[u + 1][p], w[u + 1][p], first) : first;
-  }
-  template <std::size_t N>
-  GRADAVG_INLINE_ static typename D::type pair_sum(const typename D::type (&w)[N][parts], std::size_t u,
-                                                   std::size_t p) noexcept {
-    return u + 1 < N ? D::add(w[u][p], w[u + 1][p]) : w[u][p];
-  }
-
-  /// The piece's result: lanes summed in a fixed order.
-  piece_result result() const noexcept {
-    piece_result r{};
-    r.nonfinite = nonfinite;
-    alignas(64) double lanes[D::width];
-    for (const auto& p : mean_squared) {
-      D::store(lanes, p);
-      for (double x : lanes) r.sum_mean_squared += x;
-    }
-    for (const auto& p : mean_of_squares) {
-      D::store(lanes, p);
-      for (double x : lanes) r.sum_mean_of_squares += x;
-    }
-    return r;
-  }
-};
-
-/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
-/// ToOut = the group is the last, so results are divided by the weight sum and stored to the
-/// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
-/// S: the gradients' element type; O: the outputs'.
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut>
-struct group_pass {
-  using ops = packet_ops<Acc>;
-  using in = storage_ops<S, Acc>;
-  using out = storage_ops<O, Acc>;
-  using P = typename ops::type;
-  static constexpr std::size_t W = ops::width;
-  static constexpr std::size_t U = step_packets<S, Acc>;
-  static constexpr std::size_t E = step_elements<S, Acc>;
-  static constexpr bool Squares = WithSquare;  // fused: a squares output, or statistics
-  /// bfloat16 gradients where the target has it: a step's packets in lane order
-  /// (storage_ops::lane_order). bfloat16 outputs are packed from it into memory order; float
-  /// outputs and the accumulator block are exchanged into memory order before their stores.
-  static constexpr bool LaneOrder =
-      in::lane_order && U % 2 == 0 && (std::is_same_v<O, S> || std::is_same_v<O, Acc>);
-  static constexpr bool LaneOrderOut = LaneOrder && std::is_same_v<O, S>;
-
-  const S* const* towers;  // count pointers, already offset to element 0 of this pass
-  std::size_t count;
-  Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs; any alignment
-  Acc* sq;
-  O* mean;  // outputs (ToOut), offset like towers
-  O* square;  // null in a fused pass that computes squares only for the statistics
-  Acc divisor;
-  Acc reciprocal;  // exact_reciprocal(divisor): multiply by it instead of dividing when not 0
-  const Acc* weights;  // fused: this group's count weights
-  const fused_params<Acc>* fused;
-  fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
-  bool prefetch;  // whole steps prefetch the towers' data (prefetch_ahead)
-  bool stream;    // ToOut: whole steps store the outputs non-temporally (storage_ops::stream_step)
-
-  struct no_state {};
-  using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
-
-  /// Elements [j, j + E): U packets of every tower, summed in registers. Unit (fused only): every
-  /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
-  /// and the plain ones run. StreamOut: store the outputs non-temporally. prefetching: ask for
-  /// each tower's data prefetch_distance bytes ahead (run_steps passes a constant, so each of its
-  /// loops has the branch folded away).
-  template <bool Unit, bool StreamOut>
-  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching) const noexcept {
-    constexpr bool Weighted = Fused && !Unit;
-    P a[U], s[U];
-    std::size_t k = 0;
-    P c{};  // the scale, for the squares
-    if constexpr (Weighted && Squares) c = ops::broadcast(fused->scale_in_acc);
-    if constexpr (FromAcc) {
-      GRADAVG_UNROLL_
-      for (std::size_t u = 0; u < U; ++u) {
-        a[u] = ops::load(acc + j + u * W);
-        if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
-      }
-      if constexpr (LaneOrder) {
-        in::template reorder_lanes<false>(a);
-        if constexpr (Squares) in::template reorder_lanes<false>(s);
-      }
-    } else {
-      P w{};
-      if constexpr (Weighted) w = ops::broadcast(weights[0]);
-      P xs[U];
-      if (prefetching) prefetch_ahead(towers[0] + j);
-      in::template load_step<LaneOrder>(towers[0] + j, xs);
-      GRADAVG_UNROLL_
-      for (std::size_t u = 0; u < U; ++u) {
-        const P x = xs[u];
-        if constexpr (Weighted) {
-          a[u] = ops::mul(x, w);
-          if constexpr (Squares) s[u] = ops::mul(a[u], ops::mul(x, c));
-        } else {
-          a[u] = x;
-          if constexpr (Squares) s[u] = ops::mul(x, x);
-        }
-      }
-      k = 1;
-    }
-    for (; k < count; ++k) {
-      const S* g = towers[k] + j;
-      P w{};
-      if constexpr (Weighted) w = ops::broadcast(weights[k]);
-      P xs[U];
-      if (prefetching) prefetch_ahead(g);
-      in::template load_step<LaneOrder>(g, xs);
-      GRADAVG_UNROLL_
-      for (std::size_t u = 0; u < U; ++u) {
-        const P x = xs[u];
-        if constexpr (Weighted) {
-          a[u] = ops::mul_add(x, w, a[u]);  // explicit: a compiler's contraction cannot change it
-          if constexpr (Squares) s[u] = ops::mul_add(ops::mul(x, w), ops::mul(x, c), s[u]);
-        } else {
-          a[u] = ops::add(a[u], x);
-          if constexpr (Squares) s[u] = ops::mul_add(x, x, s[u]);
-        }
-      }
-    }
-    if constexpr (Fused) {
-      // A NaN or +-Inf input makes its sum NaN or +-Inf (f_k > 0 keeps it infinite, f_k = 0 makes
-      // it NaN), so the inputs are probed only where a sum is not finite: a sum that overflowed
-      // from finite inputs is told apart there, and once one is found nothing more is probed.
-      if (fused->detect && !st.nonfinite) {
-        const P zero = ops::broadcast(0);
-        P probe = ops::mul(a[0], zero);  // 0 for a finite lane, NaN for any other
-        for (std::size_t u = 1; u < U; ++u) probe = ops::mul_add(a[u], zero, probe);
-        if (ops::any_nan(probe)) st.nonfinite = inputs_nonfinite(j);
-      }
-    }
-    if constexpr (ToOut) {
-      P m[U], q[U];
-      GRADAVG_UNROLL_
-      for (std::size_t u = 0; u < U; ++u) {
-        if (reciprocal != Acc(0)) {  // the same results: see exact_reciprocal
-          const P r = ops::broadcast(reciprocal);
-          m[u] = ops::mul(a[u], r);
-          if constexpr (Squares) q[u] = ops::mul(s[u], r);
-        } else {
-          const P d = ops::broadcast(divisor);
-          m[u] = ops::div(a[u], d);
-          if constexpr (Squares) q[u] = ops::div(s[u], d);
-        }
-        m[u] = ops::canonical_nan(m[u]);
-        if constexpr (Squares) q[u] = ops::canonical_nan(q[u]);
-      }
-      if constexpr (Fused && Squares)
-        if (fused->statistics) st.add_statistics(m, q);
-      if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(m);
-      if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
-      if constexpr (Squares) {
-        if (!Fused || square != nullptr) {  // else the squares fed only the statistics
-          if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(q);
-          if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
-        }
-      }
-    } else {
-      if constexpr (LaneOrder) {  // the block in memory order: partial steps copy it by element
-        in::template reorder_lanes<true>(a);
-        if constexpr (Squares) in::template reorder_lanes<true>(s);
-      }
-      GRADAVG_UNROLL_
-      for (std::size_t u = 0; u < U; ++u) {
-        ops::store(acc + j + u * W, a[u]);
-        if constexpr (Squares) ops::store(sq + j + u * W, s[u]);
-      }
-    }
-  }
-
-  /// Whether an input of this group's towers in [j, j + E) is NaN or +-Inf.
-  [[gnu::cold]] [[gnu::noinline]] bool inputs_nonfinite(std::size_t j) const noexcept {
-    const P zero = ops::broadcast(0);
-    P probe = zero;
-    for (std::size_t k = 0; k < count; ++k)
-      for (std::size_t u = 0; u < U; ++u) probe = ops::mul_add(in::load(towers[k] + j + u * W), zero, probe);
-    return ops::any_nan(probe);
-  }
-
-  /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
-  /// whole steps are, and the n results copied back.
-  template <bool Unit>
-  void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
-    alignas(64) S in_buf[group_towers][E] = {};
-    const S* in_ptrs[group_towers];
-    for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
-    for (std::size_t k = 0; k < count; ++k) std::memcpy(in_buf[k], towers[k] + j, n * sizeof(S));
-    alignas(64) Acc a_buf[E] = {}, s_buf[E] = {};
-    if constexpr (FromAcc) {
-      std::memcpy(a_buf, acc + j, n * sizeof(Acc));
-      if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
-    }
-    alignas(64) O m_buf[E], q_buf[E];
-    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal,
-                            weights, fused, state, false, false};
-    padded.template step<Unit, false>(0, st, false);
-    if constexpr (ToOut) {
-      std::memcpy(mean + j, m_buf, n * sizeof(O));
-      if constexpr (Squares)
-        if (square != nullptr) std::memcpy(square + j, q_buf, n * sizeof(O));
-    } else {
-      std::memcpy(acc + j, a_buf, n * sizeof(Acc));
-      if constexpr (Squares) std::memcpy(sq + j, s_buf, n * sizeof(Acc));
-    }
-  }
-
-  /// Elements [0, len).
-  void run(std::size_t len) const noexcept { run_inlined(len); }
-
-  /// run(), inlined into a caller whose towers' pointers and weights are its arrays of
-  /// group_towers: their loads are then unrolled and hoisted out of the steps.
-  GRADAVG_INLINE_ void run_inlined(std::size_t len) const noexcept {
-    registers st;  // a local the compiler can keep in registers, unlike *state
-    if constexpr (Fused) {
-      st = *state;
-      // The plain operations where every f_k and c are 1, only where up to group_towers towers
-      // go straight to the outputs: more towers take the general ones (the same bits), sparing
-      // a second copy of the block passes.
-      if constexpr (!FromAcc && ToOut) {
-        bool unit = fused->scale_in_acc == Acc(1);
-        for (std::size_t k = 0; k < count; ++k) unit = unit && weights[k] == Acc(1);
-        if (unit) run_steps<true>(len, st); else run_steps<false>(len, st);
-      } else {
-        run_steps<false>(len, st);
-      }
-      *state = st;
-    } else {
-      run_steps<false>(len, st);
-    }
-  }
-
-  /// Elements [0, len): when streaming, a partial step up to the alignment of the outputs' widest
-  /// stores (step_store_bytes); whole steps; then a partial step for the tail.
-  template <bool Unit>
-  GRADAVG_INLINE_ void run_steps(std::size_t len, registers& st) const noexcept {
-    std::size_t j = 0;
-    if (ToOut && stream) {
-      // Not with statistics: their lanes follow the steps, which must not move with the outputs'
-      // address (a misaligned packet is then stored normally, see packet_ops::stream).
-      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
-      if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
-        j = std::min(len, (out::step_store_bytes - misaligned) / sizeof(O));
-        partial_step<Unit>(0, j, st);
-      }
-    }
-    // The whole steps update a copy whose address is never taken (partial_step takes st's), so
-    // that the compiler can keep the fused state in registers across the steps.
-    registers in_steps = st;
-    if (ToOut && stream) {
-      if (software_prefetch && prefetch)
-        for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, true);
-      for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, false);
-    } else {
-      if (software_prefetch && prefetch)
-        for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, true);
-      for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, false);
-    }
-    st = in_steps;
-    if (j < len) partial_step<Unit>(j, len - j, st);
-  }
-};
-
 /// 1/d when d is a positive normal power of two, else 0. Then 1/d is a power of two too, exactly
 /// representable (at worst a subnormal), so x * (1/d) and x / d are the same real number and
 /// round to the same result for every x (subnormal results, zeros, infinities included; NaN
@@ -508,106 +212,151 @@ struct tower_reader {
   }
 };
 
-/// The pass's state for one variable: the tower pointers and weights of the group being summed,
-/// and the fused registers.
-template <class S, class Acc, bool Fused>
-struct variable_pass {
-  struct no_state {};
-  const S* group[group_towers];
-  Acc weights[group_towers];
-  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
 
-  fused_state<Acc>* state_ptr() noexcept {
-    if constexpr (Fused) return &state; else return nullptr;
-  }
-  /// group[k] and weights[k] for towers [first, first + count), from element `offset` on.
-  void load(const tower_reader<S>& tower_data, std::size_t first, std::size_t count, std::size_t offset,
-            const fused_params<Acc>* fused) {
-    for (std::size_t k = 0; k < count; ++k) group[k] = tower_data(first + k) + offset;
-    if constexpr (Fused)
-      for (std::size_t k = 0; k < count; ++k)
-        weights[k] = static_cast<Acc>((fused->weights ? fused->weights[first + k] : 1.0) * fused->scale);
-  }
-};
+// Each level's definitions, in a region whose functions may use the level's instructions.
+#if defined(__clang__)
+#define GRADAVG_TARGET_PUSH_(features) \
+  _Pragma(GRADAVG_ISA_STRINGIZE(clang attribute push(__attribute__((target(features))), apply_to = function)))
+#define GRADAVG_TARGET_POP_ _Pragma("clang attribute pop")
+#else
+#define GRADAVG_TARGET_PUSH_(features) _Pragma("GCC push_options") _Pragma(GRADAVG_ISA_STRINGIZE(GCC target(features)))
+#define GRADAVG_TARGET_POP_ _Pragma("GCC pop_options")
+#endif
 
-/// More than group_towers towers: group by group through the L1 accumulator block. Out of line,
-/// so that its block does not enlarge the stack frame of every call with fewer towers.
-template <class S, class Acc, class O, bool Fused, bool WithSquare>
-[[gnu::noinline]] void reduce_blocks(variable_pass<S, Acc, Fused>& v, const tower_reader<S>& tower_data,
-                                     std::size_t tower_count, std::size_t begin, std::size_t end, O* mean, O* square,
-                                     Acc divisor, Acc reciprocal, const fused_params<Acc>* fused, bool prefetch,
-                                     bool stream) {
-  constexpr std::size_t B = block_elements<Acc>;
-  alignas(64) Acc acc[B];
-  alignas(64) Acc sq[WithSquare ? B : 1];
-  for (std::size_t block = begin; block < end; block += B) {
-    const std::size_t len = std::min(B, end - block);
-    for (std::size_t first = 0; first < tower_count; first += group_towers) {
-      const std::size_t count = std::min(group_towers, tower_count - first);
-      v.load(tower_data, first, count, block, fused);
-      O* m = mean + block;
-      O* q = square ? square + block : nullptr;
-      if (first == 0)
-        group_pass<S, Acc, O, Fused, WithSquare, false, false>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
-      else if (first + count < tower_count)
-        group_pass<S, Acc, O, Fused, WithSquare, true, false>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
-      else
-        group_pass<S, Acc, O, Fused, WithSquare, true, true>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
-    }
-  }
-}
+#if GRADAVG_UNIT_LEVEL_ >= 2
+#if GRADAVG_UNIT_LEVEL_ <= 2
+#define GRADAVG_LEVEL_NS_ sse2
+#define GRADAVG_LEVEL_SSE2_ 1
+#include "packet_level.hpp"
+#include "kernel_level.hpp"
+#undef GRADAVG_LEVEL_SSE2_
+#undef GRADAVG_LEVEL_NS_
+#endif
+#if GRADAVG_UNIT_LEVEL_ <= 3 && GRADAVG_TOP_LEVEL_ >= 3
+#define GRADAVG_LEVEL_NS_ avx2
+#define GRADAVG_LEVEL_AVX2_ 1
+#if GRADAVG_UNIT_LEVEL_ < 3
+GRADAVG_TARGET_PUSH_("avx2,f16c")
+#endif
+#include "packet_level.hpp"
+#include "kernel_level.hpp"
+#if GRADAVG_UNIT_LEVEL_ < 3
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_LEVEL_AVX2_
+#undef GRADAVG_LEVEL_NS_
+#endif
+#if GRADAVG_TOP_LEVEL_ >= 4
+// A unit whose flags have AVX-512 BF16 (it runs only where the CPU has it) uses its bfloat16
+// conversion, in a namespace of its own.
+#if defined(__AVX512BF16__)
+#define GRADAVG_LEVEL_NS_ avx512_bf16
+#define GRADAVG_LEVEL_BF16_ 1
+#else
+#define GRADAVG_LEVEL_NS_ avx512
+#endif
+#define GRADAVG_LEVEL_AVX512_ 1
+#if GRADAVG_UNIT_LEVEL_ < 4
+GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")
+#endif
+#include "packet_level.hpp"
+#include "kernel_level.hpp"
+#if GRADAVG_UNIT_LEVEL_ < 4
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_LEVEL_AVX512_
+#undef GRADAVG_LEVEL_BF16_
+#undef GRADAVG_LEVEL_NS_
+#endif
+#else
+#define GRADAVG_LEVEL_NS_ generic
+#define GRADAVG_LEVEL_GENERIC_ 1
+#include "packet_level.hpp"
+#include "kernel_level.hpp"
+#undef GRADAVG_LEVEL_GENERIC_
+#undef GRADAVG_LEVEL_NS_
+#endif
 
-template <class S, class Acc, class O, bool Fused, bool WithSquare>
-piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
-                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused, bool prefetch,
-                               bool stream) {
-  const Acc reciprocal = exact_reciprocal(divisor);
-  variable_pass<S, Acc, Fused> v;
-  if (tower_count <= group_towers) {
-    v.load(tower_data, 0, tower_count, begin, fused);
-    group_pass<S, Acc, O, Fused, WithSquare, false, true>{
-        v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
-        v.weights, fused, v.state_ptr(), prefetch, stream}
-        .run_inlined(end - begin);
-  } else {
-    reduce_blocks<S, Acc, O, Fused, WithSquare>(v, tower_data, tower_count, begin, end, mean, square, divisor,
-                                                reciprocal, fused, prefetch, stream);
-  }
-  if (stream) streaming_fence();
-  if constexpr (Fused)
-    return v.state.result();
-  else
-    return {};
-}
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
 
-/// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc.
-/// tower_data(k) returns tower k's first element (of the whole variable, not of the range).
-/// divisor: T, or the weight sum. fused: null for the plain pass. streaming: write the outputs
-/// with non-temporal stores (storage_ops::stream). prefetch: prefetch the towers' data ahead of
-/// the loads (for calls of prefetch_min_bytes or more). Neither changes a result.
+/// The level this unit's own flags imply (the lowest it compiles), whose functions code compiled
+/// with those flags can call and inline directly (tests of the packet operations).
+#if GRADAVG_UNIT_LEVEL_ <= 1
+namespace unit_level = generic;
+#elif GRADAVG_UNIT_LEVEL_ == 2
+namespace unit_level = sse2;
+#elif GRADAVG_UNIT_LEVEL_ == 3
+namespace unit_level = avx2;
+#elif defined(__AVX512BF16__)
+namespace unit_level = avx512_bf16;
+#else
+namespace unit_level = avx512;
+#endif
+
+// GRADAVG_AT_LEVEL_(call): returns `call`, a call of a function of a level's namespace, at the level
+// simd_level_in_use() names (a switch over the levels this unit compiles).
+#if GRADAVG_UNIT_LEVEL_ >= 2
+#if defined(__AVX512BF16__)
+#define GRADAVG_AVX512_NS_ avx512_bf16
+#else
+#define GRADAVG_AVX512_NS_ avx512
+#endif
+#if GRADAVG_UNIT_LEVEL_ <= 2
+#define GRADAVG_CASE_SSE2_(...) case simd_level::sse2: return sse2::__VA_ARGS__;
+#else
+#define GRADAVG_CASE_SSE2_(...)
+#endif
+#if GRADAVG_UNIT_LEVEL_ <= 3 && GRADAVG_TOP_LEVEL_ >= 3
+#define GRADAVG_CASE_AVX2_(...) case simd_level::avx2: return avx2::__VA_ARGS__;
+#else
+#define GRADAVG_CASE_AVX2_(...)
+#endif
+#if GRADAVG_TOP_LEVEL_ >= 4
+#define GRADAVG_CASE_AVX512_(...) case simd_level::avx512: return GRADAVG_AVX512_NS_::__VA_ARGS__;
+#else
+#define GRADAVG_CASE_AVX512_(...)
+#endif
+#define GRADAVG_AT_LEVEL_(...)                                                          \
+  switch (simd_level_in_use()) {                                                        \
+    GRADAVG_CASE_SSE2_(__VA_ARGS__)                                                     \
+    GRADAVG_CASE_AVX2_(__VA_ARGS__)                                                     \
+    GRADAVG_CASE_AVX512_(__VA_ARGS__)                                                   \
+    default: break;                                                                     \
+  }                                                                                     \
+  __builtin_unreachable()
+#else
+#define GRADAVG_AT_LEVEL_(...) return generic::__VA_ARGS__
+#endif
+
+/// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc, at the
+/// level simd_level_in_use() names. tower_data(k) returns tower k's first element (of the whole
+/// variable, not of the range). divisor: T, or the weight sum. fused: null for the plain pass.
+/// streaming: write the outputs with non-temporal stores (storage_ops::stream). prefetch:
+/// prefetch the towers' data ahead of the loads (for calls of prefetch_min_bytes or more).
+/// Neither changes a result.
 template <class S, class Acc, class O>
 piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                           O* mean, O* square, bool streaming, bool prefetch, Acc divisor, const fused_params<Acc>* fused) {
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
-  auto run = [&]<bool Fused, bool WithSquare>() {
-    return reduce_range_impl<S, Acc, O, Fused, WithSquare>(tower_data, tower_count, begin, end, mean, square, divisor,
-                                                           fused, prefetch, streaming);
-  };
-  if (fused != nullptr) {
-    if (square != nullptr || fused->statistics) return run.template operator()<true, true>();
-    return run.template operator()<true, false>();
-  }
-  if (square != nullptr) return run.template operator()<false, true>();
-  return run.template operator()<false, false>();
+  GRADAVG_AT_LEVEL_(reduce_range<S, Acc, O>(tower_data, tower_count, begin, end, mean, square, streaming, prefetch,
+                                            divisor, fused));
 }
+
+/// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, with
+/// non-temporal stores where the level has them (then fenced): the same values as the scalar
+/// division.
+template <class Acc>
+void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) noexcept {
+  GRADAVG_AT_LEVEL_(stream_quotients<Acc>(from, to, len, divisor));
+}
+
 
 /// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
 /// kernel for: X(S, Acc, O) for each (the passes of average.hpp, the MPI path's buffers).

@@ -1,76 +1,173 @@
-// gradavg internals: the SIMD operations the kernel uses, and the only place gradavg touches
-// Eigen's internal packet API (Eigen::internal::packet_traits, unpacket_traits, ploadu, pstoreu,
-// pset1, padd, pmul, pdiv, pcmp_eq, pselect) or compiler intrinsics (non-temporal
-// stores, sfence, conversions between float, double and the 16-bit types). A change in Eigen's
-// internals is a fix in this file alone. Checked with Eigen 3.4 and 5.0.
+// gradavg internals: the SIMD operations the kernel uses at one instruction-set level, and the
+// only place gradavg touches compiler intrinsics (loads, stores, arithmetic, non-temporal stores,
+// sfence, conversions between float, double and the 16-bit types) or Eigen's internal packet API
+// (the generic level: Eigen::internal::packet_traits, unpacket_traits, ploadu, pstoreu, pset1,
+// padd, pmul, pdiv, pcmp_eq, pselect). A change in Eigen's internals is a fix in this file alone.
+//
+// Included by kernel.hpp once per level this translation unit compiles (no include guard),
+// inside that level's target region, with exactly one of these defined:
+//   GRADAVG_LEVEL_SSE2_, GRADAVG_LEVEL_AVX2_ (with F16C), GRADAVG_LEVEL_AVX512_ (F, BW, VL, DQ;
+//   and GRADAVG_LEVEL_BF16_ where the unit's flags have AVX-512 BF16): x86-64 intrinsics;
+//   GRADAVG_LEVEL_GENERIC_: Eigen's packets for the unit's flags (NEON, scalar, ...);
+// and GRADAVG_LEVEL_NS_, the namespace (in gradavg::detail) that holds the level's definitions.
 //
 // Conversions are exact (widening) or round to nearest even (narrowing, in the caller's
 // floating-point rounding mode for float <-> double, always to nearest even for 16-bit), on every
-// path: the intrinsics where the ISA level guarantees them (isa.hpp), else Eigen's scalar
-// conversions, which round alike. A NaN narrows to the target's default quiet NaN when it is the
-// default quiet NaN of the source (the kernel's results are).
-#pragma once
-
-#include <Eigen/Core>
-
-#if defined(EIGEN_VECTORIZE_SSE2) || defined(EIGEN_VECTORIZE_AVX) || defined(EIGEN_VECTORIZE_AVX512)
-#include <immintrin.h>
-#endif
-
-#include <cstddef>
-#include <cstdint>
-#include <limits>
-#include <type_traits>
-
-#include "isa.hpp"
-
-// AVX2 with F16C and without AVX-512: the target where 16-bit packets go in pairs (one 32-byte
-// store of two narrowed packets, bfloat16 in lane order).
-#if defined(EIGEN_VECTORIZE_AVX) && defined(__AVX2__) && defined(__F16C__) && !defined(EIGEN_VECTORIZE_AVX512)
-#define GRADAVG_AVX2_PAIRS_ 1
-#endif
-
-// AVX-512 with BW (16-bit unpacks and packs on 512-bit registers): bfloat16 in lane order, a
-// pair of packets per 64-byte line.
-#if defined(EIGEN_VECTORIZE_AVX512) && defined(__AVX512BW__)
-#define GRADAVG_AVX512_LANE_ORDER_ 1
-#endif
-
-/// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
-/// registers out of memory).
-#if defined(__GNUC__) || defined(__clang__)
-#define GRADAVG_INLINE_ [[gnu::always_inline]] inline
-#else
-#define GRADAVG_INLINE_ inline
-#endif
-
-/// Unrolls the loop that follows over a step's few packets, so that per-packet registers
-/// indexed by the loop stay registers.
-#if defined(__clang__)
-#define GRADAVG_UNROLL_ _Pragma("unroll")
-#elif defined(__GNUC__)
-#define GRADAVG_UNROLL_ _Pragma("GCC unroll 8")
-#else
-#define GRADAVG_UNROLL_
-#endif
+// path: the intrinsics where the level has them, else Eigen's scalar conversions, which round
+// alike. A NaN narrows to the target's default quiet NaN when it is the default quiet NaN of the
+// source (the kernel's results are).
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
+namespace GRADAVG_LEVEL_NS_ {
 
-/// Packets of T (float or double) as Eigen vectorizes them in this translation unit; a scalar
-/// T itself where Eigen does not vectorize.
+/// The level's vector of T (float or double): its register type, width and element-wise
+/// operations. canonical_nan: v with every NaN lane the default quiet NaN (which NaN operand an
+/// addition propagates depends on instruction operand order, which compilers may swap).
+/// stream_aligned: a non-temporal store to p aligned to the vector (an ordinary store where the
+/// level has none).
 template <class T>
-struct packet_ops {
+struct simd_vec;
+
+#if defined(GRADAVG_LEVEL_SSE2_)
+template <>
+struct simd_vec<float> {
+  using type = __m128;
+  static constexpr std::size_t width = 4;
+  static type load(const float* p) noexcept { return _mm_loadu_ps(p); }
+  static void store(float* p, type v) noexcept { _mm_storeu_ps(p, v); }
+  static void stream_aligned(float* p, type v) noexcept { _mm_stream_ps(p, v); }
+  static type broadcast(float x) noexcept { return _mm_set1_ps(x); }
+  static type add(type a, type b) noexcept { return _mm_add_ps(a, b); }
+  static type mul(type a, type b) noexcept { return _mm_mul_ps(a, b); }
+  static type div(type a, type b) noexcept { return _mm_div_ps(a, b); }
+  static type canonical_nan(type v) noexcept {
+    const type ordered = _mm_cmpord_ps(v, v);
+    return _mm_or_ps(_mm_and_ps(ordered, v), _mm_andnot_ps(ordered, broadcast(std::numeric_limits<float>::quiet_NaN())));
+  }
+  static bool any_nan(type v) noexcept { return _mm_movemask_ps(_mm_cmpunord_ps(v, v)) != 0; }
+};
+template <>
+struct simd_vec<double> {
+  using type = __m128d;
+  static constexpr std::size_t width = 2;
+  static type load(const double* p) noexcept { return _mm_loadu_pd(p); }
+  static void store(double* p, type v) noexcept { _mm_storeu_pd(p, v); }
+  static void stream_aligned(double* p, type v) noexcept { _mm_stream_pd(p, v); }
+  static type broadcast(double x) noexcept { return _mm_set1_pd(x); }
+  static type add(type a, type b) noexcept { return _mm_add_pd(a, b); }
+  static type mul(type a, type b) noexcept { return _mm_mul_pd(a, b); }
+  static type div(type a, type b) noexcept { return _mm_div_pd(a, b); }
+  static type canonical_nan(type v) noexcept {
+    const type ordered = _mm_cmpord_pd(v, v);
+    return _mm_or_pd(_mm_and_pd(ordered, v), _mm_andnot_pd(ordered, broadcast(std::numeric_limits<double>::quiet_NaN())));
+  }
+  static bool any_nan(type v) noexcept { return _mm_movemask_pd(_mm_cmpunord_pd(v, v)) != 0; }
+};
+#elif defined(GRADAVG_LEVEL_AVX2_)
+template <>
+struct simd_vec<float> {
+  using type = __m256;
+  static constexpr std::size_t width = 8;
+  static type load(const float* p) noexcept { return _mm256_loadu_ps(p); }
+  static void store(float* p, type v) noexcept { _mm256_storeu_ps(p, v); }
+  static void stream_aligned(float* p, type v) noexcept { _mm256_stream_ps(p, v); }
+  static type broadcast(float x) noexcept { return _mm256_set1_ps(x); }
+  static type add(type a, type b) noexcept { return _mm256_add_ps(a, b); }
+  static type mul(type a, type b) noexcept { return _mm256_mul_ps(a, b); }
+  static type div(type a, type b) noexcept { return _mm256_div_ps(a, b); }
+  static type canonical_nan(type v) noexcept {
+    return _mm256_blendv_ps(broadcast(std::numeric_limits<float>::quiet_NaN()), v, _mm256_cmp_ps(v, v, _CMP_ORD_Q));
+  }
+  static bool any_nan(type v) noexcept { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
+};
+template <>
+struct simd_vec<double> {
+  using type = __m256d;
+  static constexpr std::size_t width = 4;
+  static type load(const double* p) noexcept { return _mm256_loadu_pd(p); }
+  static void store(double* p, type v) noexcept { _mm256_storeu_pd(p, v); }
+  static void stream_aligned(double* p, type v) noexcept { _mm256_stream_pd(p, v); }
+  static type broadcast(double x) noexcept { return _mm256_set1_pd(x); }
+  static type add(type a, type b) noexcept { return _mm256_add_pd(a, b); }
+  static type mul(type a, type b) noexcept { return _mm256_mul_pd(a, b); }
+  static type div(type a, type b) noexcept { return _mm256_div_pd(a, b); }
+  static type canonical_nan(type v) noexcept {
+    return _mm256_blendv_pd(broadcast(std::numeric_limits<double>::quiet_NaN()), v, _mm256_cmp_pd(v, v, _CMP_ORD_Q));
+  }
+  static bool any_nan(type v) noexcept { return _mm256_movemask_pd(_mm256_cmp_pd(v, v, _CMP_UNORD_Q)) != 0; }
+};
+#elif defined(GRADAVG_LEVEL_AVX512_)
+// One compare into a mask register and one masked move for the NaN lanes.
+template <>
+struct simd_vec<float> {
+  using type = __m512;
+  static constexpr std::size_t width = 16;
+  static type load(const float* p) noexcept { return _mm512_loadu_ps(p); }
+  static void store(float* p, type v) noexcept { _mm512_storeu_ps(p, v); }
+  static void stream_aligned(float* p, type v) noexcept { _mm512_stream_ps(p, v); }
+  static type broadcast(float x) noexcept { return _mm512_set1_ps(x); }
+  static type add(type a, type b) noexcept { return _mm512_add_ps(a, b); }
+  static type mul(type a, type b) noexcept { return _mm512_mul_ps(a, b); }
+  static type div(type a, type b) noexcept { return _mm512_div_ps(a, b); }
+  static type canonical_nan(type v) noexcept {
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<float>::quiet_NaN()));
+  }
+  static bool any_nan(type v) noexcept { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
+};
+template <>
+struct simd_vec<double> {
+  using type = __m512d;
+  static constexpr std::size_t width = 8;
+  static type load(const double* p) noexcept { return _mm512_loadu_pd(p); }
+  static void store(double* p, type v) noexcept { _mm512_storeu_pd(p, v); }
+  static void stream_aligned(double* p, type v) noexcept { _mm512_stream_pd(p, v); }
+  static type broadcast(double x) noexcept { return _mm512_set1_pd(x); }
+  static type add(type a, type b) noexcept { return _mm512_add_pd(a, b); }
+  static type mul(type a, type b) noexcept { return _mm512_mul_pd(a, b); }
+  static type div(type a, type b) noexcept { return _mm512_div_pd(a, b); }
+  static type canonical_nan(type v) noexcept {
+    return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<double>::quiet_NaN()));
+  }
+  static bool any_nan(type v) noexcept { return _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q) != 0; }
+};
+#else
+/// Eigen's packets of T for this unit's flags; T itself where Eigen does not vectorise.
+template <class T>
+struct simd_vec {
   using type = typename Eigen::internal::packet_traits<T>::type;
   static constexpr std::size_t width = static_cast<std::size_t>(Eigen::internal::unpacket_traits<type>::size);
-  static constexpr std::size_t bytes = sizeof(type);
-
   static type load(const T* p) noexcept { return Eigen::internal::ploadu<type>(p); }
   static void store(T* p, const type& v) noexcept { Eigen::internal::pstoreu(p, v); }
+  static void stream_aligned(T* p, const type& v) noexcept { store(p, v); }
   static type broadcast(T x) noexcept { return Eigen::internal::pset1<type>(x); }
   static type add(const type& a, const type& b) noexcept { return Eigen::internal::padd(a, b); }
   static type mul(const type& a, const type& b) noexcept { return Eigen::internal::pmul(a, b); }
+  static type div(const type& a, const type& b) noexcept { return Eigen::internal::pdiv(a, b); }
+  static type canonical_nan(const type& v) noexcept {
+    return Eigen::internal::pselect(Eigen::internal::pcmp_eq(v, v), v, broadcast(std::numeric_limits<T>::quiet_NaN()));
+  }
+  static bool any_nan(const type& v) noexcept {
+    alignas(64) T lanes[width];
+    store(lanes, v);
+    bool found = false;
+    for (T x : lanes) found = found || x != x;
+    return found;
+  }
+};
+#endif
+
+/// Packets of T (float or double) at this level, and the kernel's operations on them.
+template <class T>
+struct packet_ops : simd_vec<T> {
+  using base = simd_vec<T>;
+  using type = typename base::type;
+  using base::width;
+  static constexpr std::size_t bytes = sizeof(type);
+  using base::add;
+  using base::mul;
+
   /// a * b rounded to T, then + c: two roundings on every target, never one fused multiply-add
   /// (whatever the compiler's -ffp-contract), so that results are the same bits on a target with
   /// FMA and one without.
@@ -78,9 +175,9 @@ struct packet_ops {
   /// v, opaque to the optimiser: a product passed through it is rounded to T before any later
   /// sum (it cannot be contracted into one). No instruction on x86 and Arm.
   static type rounded(type v) noexcept {
-#if defined(__GNUC__) && defined(__AVX512F__)
+#if defined(GRADAVG_LEVEL_AVX512_)
     __asm__("" : "+v"(v));  // any of the 32 vector registers
-#elif defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE2__)
+#elif defined(GRADAVG_LEVEL_SSE2_) || defined(GRADAVG_LEVEL_AVX2_)
     __asm__("" : "+x"(v));
 #elif defined(__GNUC__) && (defined(__aarch64__) || defined(__ARM_NEON))
     __asm__("" : "+w"(v));
@@ -90,75 +187,11 @@ struct packet_ops {
 #endif
     return v;
   }
-  static type div(const type& a, const type& b) noexcept { return Eigen::internal::pdiv(a, b); }
 
-  /// v with every NaN lane replaced by the default quiet NaN: which NaN operand an addition
-  /// propagates depends on instruction operand order, which compilers may swap.
-  static type canonical_nan(const type& v) noexcept {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    // One compare into a mask register and one masked move (Eigen's pselect goes through a vector mask).
-    if constexpr (bytes == 64) {
-      if constexpr (std::is_same_v<T, float>)
-        return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
-      else
-        return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<T>::quiet_NaN()));
-    }
-#endif
-    return Eigen::internal::pselect(Eigen::internal::pcmp_eq(v, v), v,
-                                    broadcast(std::numeric_limits<T>::quiet_NaN()));
-  }
-
-  /// Whether any lane of v is NaN.
-  static bool any_nan(const type& v) noexcept {
-#if defined(EIGEN_VECTORIZE_AVX512)
-    if constexpr (bytes == 64) {
-      if constexpr (std::is_same_v<T, float>) return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
-      else return _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q) != 0;
-    }
-#endif
-#if defined(EIGEN_VECTORIZE_AVX)
-    if constexpr (bytes == 32) {
-      if constexpr (std::is_same_v<T, float>) return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0;
-      else return _mm256_movemask_pd(_mm256_cmp_pd(v, v, _CMP_UNORD_Q)) != 0;
-    }
-#endif
-#if defined(EIGEN_VECTORIZE_SSE2)
-    if constexpr (bytes == 16) {
-      if constexpr (std::is_same_v<T, float>) return _mm_movemask_ps(_mm_cmpunord_ps(v, v)) != 0;
-      else return _mm_movemask_pd(_mm_cmpunord_pd(v, v)) != 0;
-    }
-#endif
-    alignas(64) T lanes[width];
-    store(lanes, v);
-    bool found = false;
-    for (T x : lanes) found = found || x != x;
-    return found;
-  }
-
-  /// Stores v at p with a non-temporal store where the target has one and p is aligned to a
+  /// Stores v at p with a non-temporal store where the level has one and p is aligned to a
   /// packet; otherwise an ordinary store.
   static void stream(T* p, const type& v) noexcept {
-    if (reinterpret_cast<std::uintptr_t>(p) % bytes == 0) {
-#if defined(EIGEN_VECTORIZE_AVX512)
-      if constexpr (bytes == 64) {
-        if constexpr (std::is_same_v<T, float>) return _mm512_stream_ps(p, v);
-        else return _mm512_stream_pd(p, v);
-      }
-#endif
-#if defined(EIGEN_VECTORIZE_AVX)
-      if constexpr (bytes == 32) {
-        if constexpr (std::is_same_v<T, float>) return _mm256_stream_ps(p, v);
-        else return _mm256_stream_pd(p, v);
-      }
-#endif
-#if defined(EIGEN_VECTORIZE_SSE2)
-      if constexpr (bytes == 16) {
-        if constexpr (std::is_same_v<T, float>) return _mm_stream_ps(p, v);
-        else return _mm_stream_pd(p, v);
-      }
-#endif
-    }
-    store(p, v);
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes == 0) base::stream_aligned(p, v); else base::store(p, v);
   }
 };
 
@@ -175,7 +208,7 @@ struct storage_ops {
     if constexpr (std::is_same_v<S, Acc>) {
       return ops::load(p);
     } else {
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_LEVEL_AVX512_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
         return _mm512_maskz_cvtps_pd(0xff, _mm256_loadu_ps(p));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
@@ -183,7 +216,7 @@ struct storage_ops {
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
         return _mm512_castsi512_ps(
             _mm512_maskz_slli_epi32(0xffff, _mm512_maskz_cvtepu16_epi32(0xffff, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-#elif defined(GRADAVG_AVX2_PAIRS_)
+#elif defined(GRADAVG_LEVEL_AVX2_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
         return _mm256_cvtps_pd(_mm_loadu_ps(p));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -191,7 +224,7 @@ struct storage_ops {
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 8)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+#elif defined(GRADAVG_LEVEL_SSE2_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
         return _mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4)
@@ -210,7 +243,7 @@ struct storage_ops {
     if constexpr (std::is_same_v<S, Acc>) {
       ops::store(p, v);
     } else {
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_LEVEL_AVX512_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
         return _mm256_storeu_ps(p, _mm512_maskz_cvtpd_ps(0xff, v));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
@@ -218,7 +251,7 @@ struct storage_ops {
                                    _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
         return _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
-#elif defined(GRADAVG_AVX2_PAIRS_)
+#elif defined(GRADAVG_LEVEL_AVX2_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
         return _mm_storeu_ps(p, _mm256_cvtpd_ps(v));
       if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -229,7 +262,7 @@ struct storage_ops {
         const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
         return _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
       }
-#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+#elif defined(GRADAVG_LEVEL_SSE2_)
       if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 2)
         return _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm_castps_si128(_mm_cvtpd_ps(v)));
       if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 4)
@@ -250,7 +283,7 @@ struct storage_ops {
   /// Where the 16-bit narrowings of two packets are joined into one 32-byte store (AVX2 without
   /// AVX-512): half as many stores, and for bfloat16 one pack and one permute per pair instead
   /// of per packet.
-#if defined(GRADAVG_AVX2_PAIRS_)
+#if defined(GRADAVG_LEVEL_AVX2_)
   static constexpr bool pairs_stores = width == 8 && (std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>);
 #else
   static constexpr bool pairs_stores = false;
@@ -265,7 +298,7 @@ struct storage_ops {
   /// narrows it back into memory order, where element order costs two widenings and a shift
   /// each, and a permute or a narrowing move per packet. The sums are elementwise, so a pass
   /// whose loads and stores all use it computes the same values as in memory order.
-#if defined(GRADAVG_AVX512_LANE_ORDER_)
+#if defined(GRADAVG_LEVEL_AVX512_)
   static constexpr bool lane_order = width == 16 && std::is_same_v<S, Eigen::bfloat16>;
 #else
   static constexpr bool lane_order = pairs_stores && std::is_same_v<S, Eigen::bfloat16>;
@@ -280,7 +313,7 @@ struct storage_ops {
   template <bool InLaneOrder, std::size_t U>
   GRADAVG_INLINE_ static void load_step(const S* p, P (&x)[U]) noexcept {
     if constexpr (InLaneOrder) {
-#if defined(GRADAVG_AVX2_PAIRS_)
+#if defined(GRADAVG_LEVEL_AVX2_)
       static_assert(lane_order && U % 2 == 0);
       const __m256i zero = _mm256_setzero_si256();
       GRADAVG_UNROLL_
@@ -289,7 +322,7 @@ struct storage_ops {
         x[u] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, both));
         x[u + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, both));
       }
-#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+#elif defined(GRADAVG_LEVEL_AVX512_)
       static_assert(lane_order && U % 2 == 0);
       const __m512i zero = _mm512_setzero_si512();
       GRADAVG_UNROLL_
@@ -312,7 +345,7 @@ struct storage_ops {
   /// same exchange of each pair's 128-bit halves both ways (its own inverse).
   template <bool ToMemory, std::size_t U>
   GRADAVG_INLINE_ static void reorder_lanes([[maybe_unused]] P (&x)[U]) noexcept {
-#if defined(GRADAVG_AVX2_PAIRS_)
+#if defined(GRADAVG_LEVEL_AVX2_)
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
     for (std::size_t u = 0; u < U; u += 2) {
@@ -320,7 +353,7 @@ struct storage_ops {
       x[u + 1] = _mm256_permute2f128_ps(x[u], x[u + 1], 0x31);
       x[u] = low;
     }
-#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+#elif defined(GRADAVG_LEVEL_AVX512_)
     // The pair's 32 elements in four blocks of eight, one per 128-bit lane: packet u holds the
     // first four of each block, packet u + 1 the last four; memory order interleaves them.
     static_assert(lane_order && U % 2 == 0);
@@ -364,7 +397,7 @@ struct storage_ops {
       ops::stream(p, v);
     } else {
       if (reinterpret_cast<std::uintptr_t>(p) % stored_bytes == 0) {
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_LEVEL_AVX512_)
         if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 8)
           return _mm256_stream_ps(p, _mm512_maskz_cvtpd_ps(0xff, v));
         if constexpr (std::is_same_v<S, Eigen::half> && width == 16)
@@ -372,7 +405,7 @@ struct storage_ops {
                                      _mm512_maskz_cvtps_ph(0xffff, v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         if constexpr (std::is_same_v<S, Eigen::bfloat16> && width == 16)
           return _mm256_stream_si256(reinterpret_cast<__m256i*>(p), _mm512_maskz_cvtepi32_epi16(0xffff, bfloat16_bits(v)));
-#elif defined(GRADAVG_AVX2_PAIRS_)
+#elif defined(GRADAVG_LEVEL_AVX2_)
         if constexpr (std::is_same_v<S, float> && std::is_same_v<Acc, double> && width == 4)
           return _mm_stream_ps(p, _mm256_cvtpd_ps(v));
         if constexpr (std::is_same_v<S, Eigen::half> && width == 8)
@@ -393,7 +426,7 @@ struct storage_ops {
   template <bool Stream, bool InLaneOrder, std::size_t U>
   GRADAVG_INLINE_ static void step_impl(S* p, const P (&v)[U]) noexcept {
     if constexpr (InLaneOrder) {
-#if defined(GRADAVG_AVX2_PAIRS_)
+#if defined(GRADAVG_LEVEL_AVX2_)
       static_assert(lane_order && U % 2 == 0);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; u += 2) {
@@ -410,7 +443,7 @@ struct storage_ops {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), both);
         }
       }
-#elif defined(GRADAVG_AVX512_LANE_ORDER_)
+#elif defined(GRADAVG_LEVEL_AVX512_)
       static_assert(lane_order && U % 2 == 0);
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; u += 2) {
@@ -430,7 +463,7 @@ struct storage_ops {
       static_assert(!InLaneOrder, "gradavg: lane order needs bfloat16 on AVX2 or AVX-512 BW");
 #endif
     } else {
-#if defined(GRADAVG_AVX2_PAIRS_)
+#if defined(GRADAVG_LEVEL_AVX2_)
       if constexpr (pairs_stores && U % 2 == 0) {
         // Streaming to a pointer off the pairs' alignment: packet by packet below, each of those
         // stores non-temporal where it is aligned.
@@ -463,7 +496,7 @@ struct storage_ops {
 
 // The AVX-512 conversions are the zero-masked forms: GCC 12 warns about the unmasked ones'
   // undefined pass-through operand (-Wuninitialized).
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_LEVEL_AVX512_)
   /// bfloat16 bit patterns of v's floats, rounded to nearest even, in 32-bit lanes; NaN -> 0x7fc0.
   static __m512i bfloat16_bits(const __m512& v) noexcept {
     const __m512i u = _mm512_castps_si512(v);
@@ -472,11 +505,11 @@ struct storage_ops {
     const __mmask16 is_nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
     return _mm512_mask_mov_epi32(rounded, is_nan, _mm512_set1_epi32(0x7fc0));
   }
-#if defined(GRADAVG_AVX512_LANE_ORDER_)
+#if defined(GRADAVG_LEVEL_AVX512_)
   /// A pair of packets in lane order as its 32 bfloat16 values in memory order, each rounded to
   /// nearest even; NaN -> 0x7fc0 where it is the default quiet NaN.
   static __m512i bfloat16_pair_bits(const __m512& first, const __m512& second) noexcept {
-#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+#if defined(GRADAVG_LEVEL_BF16_)
     // The bfloat16 conversion rounds to nearest even but flushes subnormal floats to zero: it
     // serves pairs without one (fpclass 0x20: subnormal).
     if ((_mm512_fpclass_ps_mask(first, 0x20) | _mm512_fpclass_ps_mask(second, 0x20)) == 0) {
@@ -488,7 +521,7 @@ struct storage_ops {
     return _mm512_packus_epi32(bfloat16_bits(first), bfloat16_bits(second));
   }
 #endif
-#elif defined(EIGEN_VECTORIZE_SSE2) && !defined(EIGEN_VECTORIZE_AVX)
+#elif defined(GRADAVG_LEVEL_SSE2_)
   /// The four 16-bit values in the low halves of v's 32-bit lanes (words 0, 2, 4, 6), in the low
   /// 64 bits.
   static __m128i low_words(const __m128i& v) noexcept {
@@ -548,7 +581,7 @@ struct storage_ops {
     const __m128i is_nan = _mm_castps_si128(_mm_cmpunord_ps(v, v));
     return _mm_or_si128(_mm_andnot_si128(is_nan, rounded), _mm_and_si128(is_nan, _mm_set1_epi32(0x7fc0)));
   }
-#elif defined(GRADAVG_AVX2_PAIRS_)
+#elif defined(GRADAVG_LEVEL_AVX2_)
   static __m256i bfloat16_bits(const __m256& v) noexcept {
     const __m256i u = _mm256_castps_si256(v);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
@@ -568,19 +601,19 @@ struct widen_ops {
   static_assert(parts >= 1 && parts * D::width == F::width);
 
   GRADAVG_INLINE_ static void widen(const typename F::type& v, typename D::type (&out)[parts]) noexcept {
-#if defined(EIGEN_VECTORIZE_AVX512)
+#if defined(GRADAVG_LEVEL_AVX512_)
     if constexpr (parts == 2 && F::width == 16) {
       out[0] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 0)));
       out[1] = _mm512_maskz_cvtps_pd(0xff, _mm256_castpd_ps(_mm512_maskz_extractf64x4_pd(0xf, _mm512_castps_pd(v), 1)));
       return;
     }
-#elif defined(EIGEN_VECTORIZE_AVX)
+#elif defined(GRADAVG_LEVEL_AVX2_)
     if constexpr (parts == 2 && F::width == 8) {
       out[0] = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
       out[1] = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
       return;
     }
-#elif defined(EIGEN_VECTORIZE_SSE2)
+#elif defined(GRADAVG_LEVEL_SSE2_)
     if constexpr (parts == 2 && F::width == 4) {
       out[0] = _mm_cvtps_pd(v);
       out[1] = _mm_cvtps_pd(_mm_movehl_ps(v, v));
@@ -597,11 +630,12 @@ struct widen_ops {
 
 /// Orders non-temporal stores before what follows (they are weakly ordered).
 inline void streaming_fence() noexcept {
-#if defined(EIGEN_VECTORIZE_SSE2)
+#if !defined(GRADAVG_LEVEL_GENERIC_)
   _mm_sfence();
 #endif
 }
 
+}  // namespace GRADAVG_LEVEL_NS_
 }  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

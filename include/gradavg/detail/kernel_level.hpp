@@ -1,0 +1,484 @@
+// gradavg internals: the averaging kernel at one instruction-set level (the contract is in
+// kernel.hpp). Included by kernel.hpp after packet_level.hpp, once per level, in the same target
+// region and with the same GRADAVG_LEVEL_* macros (no include guard).
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
+namespace GRADAVG_LEVEL_NS_ {
+
+/// Packets per step: one 64-byte cache line of each tower's storage (at least one packet of the
+/// accumulator, at most four): two float packets per line of 16-bit values on AVX-512. Without
+/// SIMD (one element per packet) 16 floats or 8 doubles, whole blocks of the statistics.
+template <class S, class Acc>
+inline constexpr std::size_t step_packets =
+    std::clamp<std::size_t>(64 / (packet_ops<Acc>::width * sizeof(S)), 1, packet_ops<Acc>::width == 1 ? 16 : 4);
+
+/// Elements per step.
+template <class S, class Acc>
+inline constexpr std::size_t step_elements = step_packets<S, Acc> * packet_ops<Acc>::width;
+
+/// Registers of the fused pass over one piece: whether a non-finite input was found, and the
+/// statistics in eight double lanes, the same at every level: element j of each block of 16
+/// (float means) or 8 (double means) from the piece's start goes to lane j mod 8 — a float
+/// block's elements j and j + 8 summed first, rounded squares for mean^2 — and each block's
+/// eight values are added to the lanes in block order. result() adds lanes 0 to 7 in order. Every
+/// level's steps hold whole blocks (a SIMD step is one 64-byte line of inputs: 16 floats, 8
+/// doubles or 16-32 16-bit values), so the sums are the same bits at every SIMD level.
+template <class Acc>
+struct fused_state {
+  using ops = packet_ops<Acc>;
+  using D = packet_ops<double>;
+  static constexpr std::size_t parts = std::is_same_v<Acc, float> ? widen_ops::parts : 1;
+  static constexpr std::size_t lanes = 8;
+  static constexpr std::size_t accumulators = lanes / D::width;  // double packets holding the lanes
+  static_assert(accumulators * D::width == lanes);
+
+  bool nonfinite = false;
+  typename D::type mean_squared[accumulators];
+  typename D::type mean_of_squares[accumulators];
+
+  fused_state() noexcept {
+    for (auto& p : mean_squared) p = D::broadcast(0);
+    for (auto& p : mean_of_squares) p = D::broadcast(0);
+  }
+
+  /// Adds a step's N packets of means m and means of squares q (in memory order), widened to
+  /// double (exact), block by block.
+  template <std::size_t N>
+  GRADAVG_INLINE_ void add_statistics(const typename ops::type (&m)[N], const typename ops::type (&q)[N]) noexcept {
+    constexpr std::size_t packets = N * parts;  // double packets in the step, in memory order
+    typename D::type wide_m[packets], wide_q[packets];
+    GRADAVG_UNROLL_
+    for (std::size_t u = 0; u < N; ++u) {
+      if constexpr (std::is_same_v<Acc, double>) {
+        wide_m[u] = m[u];
+        wide_q[u] = q[u];
+      } else {
+        typename D::type pm[parts], pq[parts];
+        widen_ops::widen(m[u], pm);
+        widen_ops::widen(q[u], pq);
+        for (std::size_t p = 0; p < parts; ++p) {
+          wide_m[u * parts + p] = pm[p];
+          wide_q[u * parts + p] = pq[p];
+        }
+      }
+    }
+    constexpr std::size_t A = accumulators;
+    if constexpr (std::is_same_v<Acc, float>) {
+      static_assert(packets % (2 * A) == 0, "gradavg: a step holds whole blocks of 16 floats");
+      GRADAVG_UNROLL_
+      for (std::size_t b = 0; b < packets; b += 2 * A) {
+        GRADAVG_UNROLL_
+        for (std::size_t a = 0; a < A; ++a) {
+          const auto& first = wide_m[b + a];
+          const auto& second = wide_m[b + a + A];
+          mean_squared[a] = D::add(mean_squared[a], D::mul_add(second, second, D::rounded(D::mul(first, first))));
+          mean_of_squares[a] = D::add(mean_of_squares[a], D::add(wide_q[b + a], wide_q[b + a + A]));
+        }
+      }
+    } else {
+      static_assert(packets % A == 0, "gradavg: a step holds whole blocks of 8 doubles");
+      GRADAVG_UNROLL_
+      for (std::size_t b = 0; b < packets; b += A) {
+        GRADAVG_UNROLL_
+        for (std::size_t a = 0; a < A; ++a) {
+          mean_squared[a] = D::add(mean_squared[a], D::rounded(D::mul(wide_m[b + a], wide_m[b + a])));
+          mean_of_squares[a] = D::add(mean_of_squares[a], wide_q[b + a]);
+        }
+      }
+    }
+  }
+
+  /// The piece's result: lanes summed in order.
+  piece_result result() const noexcept {
+    piece_result r{};
+    r.nonfinite = nonfinite;
+    alignas(64) double values[D::width];
+    for (const auto& p : mean_squared) {
+      D::store(values, p);
+      for (double x : values) r.sum_mean_squared += x;
+    }
+    for (const auto& p : mean_of_squares) {
+      D::store(values, p);
+      for (double x : values) r.sum_mean_of_squares += x;
+    }
+    return r;
+  }
+};
+
+/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
+/// ToOut = the group is the last, so results are divided by the weight sum and stored to the
+/// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
+/// S: the gradients' element type; O: the outputs'.
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut>
+struct group_pass {
+  using ops = packet_ops<Acc>;
+  using in = storage_ops<S, Acc>;
+  using out = storage_ops<O, Acc>;
+  using P = typename ops::type;
+  static constexpr std::size_t W = ops::width;
+  static constexpr std::size_t U = step_packets<S, Acc>;
+  static constexpr std::size_t E = step_elements<S, Acc>;
+  static constexpr bool Squares = WithSquare;  // fused: a squares output, or statistics
+  /// bfloat16 gradients where the target has it: a step's packets in lane order
+  /// (storage_ops::lane_order). bfloat16 outputs are packed from it into memory order; float
+  /// outputs and the accumulator block are exchanged into memory order before their stores.
+  static constexpr bool LaneOrder =
+      in::lane_order && U % 2 == 0 && (std::is_same_v<O, S> || std::is_same_v<O, Acc>);
+  static constexpr bool LaneOrderOut = LaneOrder && std::is_same_v<O, S>;
+
+  const S* const* towers;  // count pointers, already offset to element 0 of this pass
+  std::size_t count;
+  Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs; any alignment
+  Acc* sq;
+  O* mean;  // outputs (ToOut), offset like towers
+  O* square;  // null in a fused pass that computes squares only for the statistics
+  Acc divisor;
+  Acc reciprocal;  // exact_reciprocal(divisor): multiply by it instead of dividing when not 0
+  const Acc* weights;  // fused: this group's count weights
+  const fused_params<Acc>* fused;
+  fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
+  bool prefetch;  // whole steps prefetch the towers' data (prefetch_ahead)
+  bool stream;    // ToOut: whole steps store the outputs non-temporally (storage_ops::stream_step)
+
+  struct no_state {};
+  using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
+
+  /// Elements [j, j + E): U packets of every tower, summed in registers. Unit (fused only): every
+  /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
+  /// and the plain ones run. StreamOut: store the outputs non-temporally. prefetching: ask for
+  /// each tower's data prefetch_distance bytes ahead (run_steps passes a constant, so each of its
+  /// loops has the branch folded away).
+  template <bool Unit, bool StreamOut>
+  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching) const noexcept {
+    constexpr bool Weighted = Fused && !Unit;
+    P a[U], s[U];
+    std::size_t k = 0;
+    P c{};  // the scale, for the squares
+    if constexpr (Weighted && Squares) c = ops::broadcast(fused->scale_in_acc);
+    if constexpr (FromAcc) {
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        a[u] = ops::load(acc + j + u * W);
+        if constexpr (Squares) s[u] = ops::load(sq + j + u * W);
+      }
+      if constexpr (LaneOrder) {
+        in::template reorder_lanes<false>(a);
+        if constexpr (Squares) in::template reorder_lanes<false>(s);
+      }
+    } else {
+      P w{};
+      if constexpr (Weighted) w = ops::broadcast(weights[0]);
+      P xs[U];
+      if (prefetching) prefetch_ahead(towers[0] + j);
+      in::template load_step<LaneOrder>(towers[0] + j, xs);
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        const P x = xs[u];
+        if constexpr (Weighted) {
+          a[u] = ops::mul(x, w);
+          if constexpr (Squares) s[u] = ops::mul(a[u], ops::mul(x, c));
+        } else {
+          a[u] = x;
+          if constexpr (Squares) s[u] = ops::mul(x, x);
+        }
+      }
+      k = 1;
+    }
+    for (; k < count; ++k) {
+      const S* g = towers[k] + j;
+      P w{};
+      if constexpr (Weighted) w = ops::broadcast(weights[k]);
+      P xs[U];
+      if (prefetching) prefetch_ahead(g);
+      in::template load_step<LaneOrder>(g, xs);
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        const P x = xs[u];
+        if constexpr (Weighted) {
+          a[u] = ops::mul_add(x, w, a[u]);  // explicit: a compiler's contraction cannot change it
+          if constexpr (Squares) s[u] = ops::mul_add(ops::mul(x, w), ops::mul(x, c), s[u]);
+        } else {
+          a[u] = ops::add(a[u], x);
+          if constexpr (Squares) s[u] = ops::mul_add(x, x, s[u]);
+        }
+      }
+    }
+    if constexpr (Fused) {
+      // A NaN or +-Inf input makes its sum NaN or +-Inf (f_k > 0 keeps it infinite, f_k = 0 makes
+      // it NaN), so the inputs are probed only where a sum is not finite: a sum that overflowed
+      // from finite inputs is told apart there, and once one is found nothing more is probed.
+      if (fused->detect && !st.nonfinite) {
+        const P zero = ops::broadcast(0);
+        P probe = ops::mul(a[0], zero);  // 0 for a finite lane, NaN for any other
+        for (std::size_t u = 1; u < U; ++u) probe = ops::mul_add(a[u], zero, probe);
+        if (ops::any_nan(probe)) st.nonfinite = inputs_nonfinite(j);
+      }
+    }
+    if constexpr (ToOut) {
+      P m[U], q[U];
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        if (reciprocal != Acc(0)) {  // the same results: see exact_reciprocal
+          const P r = ops::broadcast(reciprocal);
+          m[u] = ops::mul(a[u], r);
+          if constexpr (Squares) q[u] = ops::mul(s[u], r);
+        } else {
+          const P d = ops::broadcast(divisor);
+          m[u] = ops::div(a[u], d);
+          if constexpr (Squares) q[u] = ops::div(s[u], d);
+        }
+        m[u] = ops::canonical_nan(m[u]);
+        if constexpr (Squares) q[u] = ops::canonical_nan(q[u]);
+      }
+      if constexpr (Fused && Squares)
+        if (fused->statistics) {
+          if constexpr (LaneOrder) {  // the statistics take the means in memory order
+            P mm[U], qq[U];
+            GRADAVG_UNROLL_
+            for (std::size_t u = 0; u < U; ++u) {
+              mm[u] = m[u];
+              qq[u] = q[u];
+            }
+            in::template reorder_lanes<true>(mm);
+            in::template reorder_lanes<true>(qq);
+            st.add_statistics(mm, qq);
+          } else {
+            st.add_statistics(m, q);
+          }
+        }
+      if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(m);
+      if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
+      if constexpr (Squares) {
+        if (!Fused || square != nullptr) {  // else the squares fed only the statistics
+          if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(q);
+          if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
+        }
+      }
+    } else {
+      if constexpr (LaneOrder) {  // the block in memory order: partial steps copy it by element
+        in::template reorder_lanes<true>(a);
+        if constexpr (Squares) in::template reorder_lanes<true>(s);
+      }
+      GRADAVG_UNROLL_
+      for (std::size_t u = 0; u < U; ++u) {
+        ops::store(acc + j + u * W, a[u]);
+        if constexpr (Squares) ops::store(sq + j + u * W, s[u]);
+      }
+    }
+  }
+
+  /// Whether an input of this group's towers in [j, j + E) is NaN or +-Inf.
+  [[gnu::cold]] [[gnu::noinline]] bool inputs_nonfinite(std::size_t j) const noexcept {
+    const P zero = ops::broadcast(0);
+    P probe = zero;
+    for (std::size_t k = 0; k < count; ++k)
+      for (std::size_t u = 0; u < U; ++u) probe = ops::mul_add(in::load(towers[k] + j + u * W), zero, probe);
+    return ops::any_nan(probe);
+  }
+
+  /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
+  /// whole steps are, and the n results copied back.
+  template <bool Unit>
+  void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
+    alignas(64) S in_buf[group_towers][E] = {};
+    const S* in_ptrs[group_towers];
+    for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
+    for (std::size_t k = 0; k < count; ++k) std::memcpy(in_buf[k], towers[k] + j, n * sizeof(S));
+    alignas(64) Acc a_buf[E] = {}, s_buf[E] = {};
+    if constexpr (FromAcc) {
+      std::memcpy(a_buf, acc + j, n * sizeof(Acc));
+      if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
+    }
+    alignas(64) O m_buf[E], q_buf[E];
+    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal,
+                            weights, fused, state, false, false};
+    padded.template step<Unit, false>(0, st, false);
+    if constexpr (ToOut) {
+      std::memcpy(mean + j, m_buf, n * sizeof(O));
+      if constexpr (Squares)
+        if (square != nullptr) std::memcpy(square + j, q_buf, n * sizeof(O));
+    } else {
+      std::memcpy(acc + j, a_buf, n * sizeof(Acc));
+      if constexpr (Squares) std::memcpy(sq + j, s_buf, n * sizeof(Acc));
+    }
+  }
+
+  /// Elements [0, len).
+  void run(std::size_t len) const noexcept { run_inlined(len); }
+
+  /// run(), inlined into a caller whose towers' pointers and weights are its arrays of
+  /// group_towers: their loads are then unrolled and hoisted out of the steps.
+  GRADAVG_INLINE_ void run_inlined(std::size_t len) const noexcept {
+    registers st;  // a local the compiler can keep in registers, unlike *state
+    if constexpr (Fused) {
+      st = *state;
+      // The plain operations where every f_k and c are 1, only where up to group_towers towers
+      // go straight to the outputs: more towers take the general ones (the same bits), sparing
+      // a second copy of the block passes.
+      if constexpr (!FromAcc && ToOut) {
+        bool unit = fused->scale_in_acc == Acc(1);
+        for (std::size_t k = 0; k < count; ++k) unit = unit && weights[k] == Acc(1);
+        if (unit) run_steps<true>(len, st); else run_steps<false>(len, st);
+      } else {
+        run_steps<false>(len, st);
+      }
+      *state = st;
+    } else {
+      run_steps<false>(len, st);
+    }
+  }
+
+  /// Elements [0, len): when streaming, a partial step up to the alignment of the outputs' widest
+  /// stores (step_store_bytes); whole steps; then a partial step for the tail.
+  template <bool Unit>
+  GRADAVG_INLINE_ void run_steps(std::size_t len, registers& st) const noexcept {
+    std::size_t j = 0;
+    if (ToOut && stream) {
+      // Not with statistics: their lanes follow the steps, which must not move with the outputs'
+      // address (a misaligned packet is then stored normally, see packet_ops::stream).
+      const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
+      if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
+        j = std::min(len, (out::step_store_bytes - misaligned) / sizeof(O));
+        partial_step<Unit>(0, j, st);
+      }
+    }
+    // The whole steps update a copy whose address is never taken (partial_step takes st's), so
+    // that the compiler can keep the fused state in registers across the steps.
+    registers in_steps = st;
+    if (ToOut && stream) {
+      if (software_prefetch && prefetch)
+        for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, true);
+      for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, false);
+    } else {
+      if (software_prefetch && prefetch)
+        for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, true);
+      for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, false);
+    }
+    st = in_steps;
+    if (j < len) partial_step<Unit>(j, len - j, st);
+  }
+};
+
+/// The pass's state for one variable: the tower pointers and weights of the group being summed,
+/// and the fused registers.
+template <class S, class Acc, bool Fused>
+struct variable_pass {
+  struct no_state {};
+  const S* group[group_towers];
+  Acc weights[group_towers];
+  [[maybe_unused]] std::conditional_t<Fused, fused_state<Acc>, no_state> state;
+
+  fused_state<Acc>* state_ptr() noexcept {
+    if constexpr (Fused) return &state; else return nullptr;
+  }
+  /// group[k] and weights[k] for towers [first, first + count), from element `offset` on.
+  void load(const tower_reader<S>& tower_data, std::size_t first, std::size_t count, std::size_t offset,
+            const fused_params<Acc>* fused) {
+    for (std::size_t k = 0; k < count; ++k) group[k] = tower_data(first + k) + offset;
+    if constexpr (Fused)
+      for (std::size_t k = 0; k < count; ++k)
+        weights[k] = static_cast<Acc>((fused->weights ? fused->weights[first + k] : 1.0) * fused->scale);
+  }
+};
+
+/// More than group_towers towers: group by group through the L1 accumulator block. Out of line,
+/// so that its block does not enlarge the stack frame of every call with fewer towers.
+template <class S, class Acc, class O, bool Fused, bool WithSquare>
+[[gnu::noinline]] void reduce_blocks(variable_pass<S, Acc, Fused>& v, const tower_reader<S>& tower_data,
+                                     std::size_t tower_count, std::size_t begin, std::size_t end, O* mean, O* square,
+                                     Acc divisor, Acc reciprocal, const fused_params<Acc>* fused, bool prefetch,
+                                     bool stream) {
+  constexpr std::size_t B = block_elements<Acc>;
+  alignas(64) Acc acc[B];
+  alignas(64) Acc sq[WithSquare ? B : 1];
+  for (std::size_t block = begin; block < end; block += B) {
+    const std::size_t len = std::min(B, end - block);
+    for (std::size_t first = 0; first < tower_count; first += group_towers) {
+      const std::size_t count = std::min(group_towers, tower_count - first);
+      v.load(tower_data, first, count, block, fused);
+      O* m = mean + block;
+      O* q = square ? square + block : nullptr;
+      if (first == 0)
+        group_pass<S, Acc, O, Fused, WithSquare, false, false>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
+            .run(len);
+      else if (first + count < tower_count)
+        group_pass<S, Acc, O, Fused, WithSquare, true, false>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
+            .run(len);
+      else
+        group_pass<S, Acc, O, Fused, WithSquare, true, true>{
+            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
+            .run(len);
+    }
+  }
+}
+
+template <class S, class Acc, class O, bool Fused, bool WithSquare>
+piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+                               O* mean, O* square, Acc divisor, const fused_params<Acc>* fused, bool prefetch,
+                               bool stream) {
+  const Acc reciprocal = exact_reciprocal(divisor);
+  variable_pass<S, Acc, Fused> v;
+  if (tower_count <= group_towers) {
+    v.load(tower_data, 0, tower_count, begin, fused);
+    group_pass<S, Acc, O, Fused, WithSquare, false, true>{
+        v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
+        v.weights, fused, v.state_ptr(), prefetch, stream}
+        .run_inlined(end - begin);
+  } else {
+    reduce_blocks<S, Acc, O, Fused, WithSquare>(v, tower_data, tower_count, begin, end, mean, square, divisor,
+                                                reciprocal, fused, prefetch, stream);
+  }
+  if (stream) streaming_fence();
+  if constexpr (Fused)
+    return v.state.result();
+  else
+    return {};
+}
+
+
+/// Reduces elements [begin, end) of one variable at this level: kernel.hpp's reduce_range.
+template <class S, class Acc, class O>
+piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
+                          O* mean, O* square, bool streaming, bool prefetch, Acc divisor, const fused_params<Acc>* fused) {
+  if (fused != nullptr) {
+    if (square != nullptr || fused->statistics)
+      return reduce_range_impl<S, Acc, O, true, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused,
+                                                      prefetch, streaming);
+    return reduce_range_impl<S, Acc, O, true, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused,
+                                                     prefetch, streaming);
+  }
+  if (square != nullptr)
+    return reduce_range_impl<S, Acc, O, false, true>(tower_data, tower_count, begin, end, mean, square, divisor, fused,
+                                                     prefetch, streaming);
+  return reduce_range_impl<S, Acc, O, false, false>(tower_data, tower_count, begin, end, mean, square, divisor, fused,
+                                                    prefetch, streaming);
+}
+
+/// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, stored
+/// non-temporally from the first element aligned to a packet: kernel.hpp's stream_quotients.
+template <class Acc>
+void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) noexcept {
+  using ops = packet_ops<Acc>;
+  constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+  std::size_t j = 0;
+  for (; j < len && reinterpret_cast<std::uintptr_t>(to + j) % ops::bytes != 0; ++j) {
+    const Acc x = from[j] / divisor;
+    to[j] = x == x ? x : nan;
+  }
+  const auto d = ops::broadcast(divisor);
+  for (; j + ops::width <= len; j += ops::width) ops::stream(to + j, ops::canonical_nan(ops::div(ops::load(from + j), d)));
+  for (; j < len; ++j) {
+    const Acc x = from[j] / divisor;
+    to[j] = x == x ? x : nan;
+  }
+  streaming_fence();
+}
+
+}  // namespace GRADAVG_LEVEL_NS_
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
