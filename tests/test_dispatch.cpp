@@ -25,7 +25,7 @@ namespace {
 std::vector<gradavg::simd_level> runnable_levels() {
   std::vector<gradavg::simd_level> levels;
   for (auto level : {gradavg::simd_level::sse2, gradavg::simd_level::avx2, gradavg::simd_level::avx512})
-    if (level <= gradavg::detail::cpu_simd_level()) levels.push_back(level);
+    if (level <= gradavg::cpu_simd_level()) levels.push_back(level);
   return levels;
 }
 
@@ -249,7 +249,7 @@ TEST_CASE("every level this CPU runs gives the baseline's bits: bfloat16") {
 
 TEST_CASE("the level can be forced down and reset, never up past the CPU") {
   level_reset reset;
-  const auto cpu = gradavg::detail::cpu_simd_level();
+  const auto cpu = gradavg::cpu_simd_level();
   REQUIRE(cpu >= gradavg::simd_level::sse2);  // x86-64
   CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::scalar));
   CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::neon));
@@ -272,8 +272,8 @@ TEST_CASE("GRADAVG_ISA lowers the level of a process", "[.environment]") {
   const char* environment = std::getenv("GRADAVG_ISA");
   REQUIRE(environment != nullptr);
   CHECK(gradavg::to_string(gradavg::simd_level_in_use()) == std::string(environment));
-  CHECK(gradavg::force_simd_level(gradavg::detail::cpu_simd_level()));  // force still overrides it
-  CHECK(gradavg::simd_level_in_use() == gradavg::detail::cpu_simd_level());
+  CHECK(gradavg::force_simd_level(gradavg::cpu_simd_level()));  // force still overrides it
+  CHECK(gradavg::simd_level_in_use() == gradavg::cpu_simd_level());
   gradavg::reset_simd_level();
   CHECK(gradavg::to_string(gradavg::simd_level_in_use()) == std::string(environment));
 }

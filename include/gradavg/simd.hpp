@@ -48,11 +48,11 @@ constexpr std::string_view to_string(simd_level level) noexcept {
   return "unknown";
 }
 
-namespace detail {
+namespace simd_detail {
 
 /// The widest x86-64 level this CPU and its operating system support (CPUID, XGETBV), or
 /// simd_level::scalar where the target is not x86-64 with GCC or Clang.
-inline simd_level cpu_simd_level() noexcept {
+inline simd_level detect_cpu_simd_level() noexcept {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (__get_cpuid(1, &a, &b, &c, &d) == 0) return simd_level::sse2;
@@ -70,6 +70,17 @@ inline simd_level cpu_simd_level() noexcept {
   return simd_level::scalar;
 #endif
 }
+
+}  // namespace simd_detail
+
+/// The widest level this CPU runs (x86-64: sse2, avx2 or avx512, detected once per process;
+/// scalar on other targets, whose level is fixed at compile time).
+inline simd_level cpu_simd_level() noexcept {
+  static const simd_level level = simd_detail::detect_cpu_simd_level();
+  return level;
+}
+
+namespace simd_detail {
 
 /// GRADAVG_ISA as a level, or -1 where it is unset or names no level.
 inline int environment_simd_level() noexcept {
@@ -89,33 +100,33 @@ inline std::atomic<int>& forced_simd_level() noexcept {
 /// The program's choice before each unit's own bounds: the forced level, else GRADAVG_ISA, else
 /// the CPU's widest; never above the CPU's widest (x86-64 only: elsewhere the unit's level).
 inline int requested_simd_level() noexcept {
-  static const int cpu = static_cast<int>(cpu_simd_level());
+  const int cpu = static_cast<int>(gradavg::cpu_simd_level());
   static const int environment = environment_simd_level();
   int level = forced_simd_level().load(std::memory_order_relaxed);
   if (level < 0) level = environment;
   return level < 0 || level > cpu ? cpu : level;
 }
 
-}  // namespace detail
+}  // namespace simd_detail
 
 /// Runs every later call at `level` (program-wide, from any thread): false, and nothing changed,
 /// where this CPU cannot run it or it is not an x86-64 level (sse2, avx2, avx512). A translation
 /// unit compiled for a higher level than `level` (its -march) runs its lowest one.
 inline bool force_simd_level(simd_level level) noexcept {
-  if (level < simd_level::sse2 || level > detail::cpu_simd_level()) return false;
-  detail::forced_simd_level().store(static_cast<int>(level), std::memory_order_relaxed);
+  if (level < simd_level::sse2 || level > cpu_simd_level()) return false;
+  simd_detail::forced_simd_level().store(static_cast<int>(level), std::memory_order_relaxed);
   return true;
 }
 
 /// Undoes force_simd_level: GRADAVG_ISA, else the CPU's widest level.
-inline void reset_simd_level() noexcept { detail::forced_simd_level().store(-1, std::memory_order_relaxed); }
+inline void reset_simd_level() noexcept { simd_detail::forced_simd_level().store(-1, std::memory_order_relaxed); }
 
 GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// The level a call from this translation unit runs at now: the program's choice (the CPU's
 /// widest, GRADAVG_ISA or force_simd_level) within the levels this unit compiles.
 inline simd_level simd_level_in_use() noexcept {
-  const int level = detail::requested_simd_level();
+  const int level = simd_detail::requested_simd_level();
   if (level < GRADAVG_UNIT_LEVEL_) return static_cast<simd_level>(GRADAVG_UNIT_LEVEL_);
   if (level > GRADAVG_TOP_LEVEL_) return static_cast<simd_level>(GRADAVG_TOP_LEVEL_);
   return static_cast<simd_level>(level);
