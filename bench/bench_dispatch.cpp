@@ -1,18 +1,22 @@
 // The kernel chosen at run time against the kernel compiled for this machine: the same gradavg
 // calls from a unit built without instruction-set flags (as distributions, vcpkg and most CMake
 // projects build) and from a unit built with -march=native, linked into this one program
-// (dispatch_unit.hpp) and timed by alternation (rounds.hpp). Every contender's outputs (and sum
-// of mean^2) are checked bit for bit against the native unit's before the rounds; a mismatch
-// skips the point with its message.
+// (dispatch_unit.hpp) and timed by alternation (rounds.hpp). Every contender writes the same
+// output buffers; its outputs (and sum of mean^2) are checked bit for bit against the native
+// unit's before the rounds; a mismatch skips the point with its message.
 //
 // Points: paired_dispatch/<float|half|bfloat16>/T:<T>/P:<P>/<op>/threads:1, T in {2, 4, 8, 16},
 // P = 64Ki (in cache) and --dispatch_elements (default 16Mi: from memory), op:
 //   mean      means only
+//   mean_nt   means only, options.streaming_stores
 //   mean_sq   means and squares
 //   all       weights (uneven) + scale 2^-10 + non-finite report + statistics, means only
+//             (with squares too in the V:1000x64 points)
+// and paired_dispatch/float/T:4/V:1000x64/<mean_sq|all>/threads:1: many small variables.
 // Contenders:
 //   native          the -march=native unit
 //   portable        the unit without flags, at the level it picks (this CPU's widest)
+//   portable_avx512 the same, forced to AVX-512 without BF16 (when the CPU has AVX-512 BF16)
 //   portable_avx2   the same, forced to AVX2 (when the CPU has AVX-512)
 //   portable_sse2   the same, forced to SSE2
 // Counters: <c>.over.native = median over rounds of t(c) / t(native); GBps.<c> (bytes credited
@@ -23,6 +27,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,10 +41,16 @@ namespace {
 
 using dispatch::tower_list;
 
-enum class dispatch_op { mean, mean_sq, all };
+enum class dispatch_op { mean, mean_nt, mean_sq, all };
 
 const char* op_name(dispatch_op op) {
-  return op == dispatch_op::mean ? "mean" : op == dispatch_op::mean_sq ? "mean_sq" : "all";
+  switch (op) {
+    case dispatch_op::mean: return "mean";
+    case dispatch_op::mean_nt: return "mean_nt";
+    case dispatch_op::mean_sq: return "mean_sq";
+    case dispatch_op::all: return "all";
+  }
+  return "";
 }
 
 template <class S>
@@ -55,14 +67,14 @@ dispatch::average_fn<S> entry(const dispatch::unit& u) {
   else return u.average_bfloat16;
 }
 
-/// The towers of one point: T gradients of P values in [-1, 1), one variable each.
+/// The towers of one point: T gradients of P values in [-1, 1), as V variables of P / V each.
 template <class S>
 struct point_data {
   std::vector<aligned_buffer<S>> storage;
   tower_list<S> towers;
   std::vector<double> weights;
 
-  point_data(std::size_t towers_count, std::size_t elements) {
+  point_data(std::size_t towers_count, std::size_t elements, std::size_t variables) {
     std::uint64_t state = 0x9e3779b97f4a7c15u ^ (towers_count * 131 + elements);
     for (std::size_t k = 0; k < towers_count; ++k) {
       storage.emplace_back(elements);
@@ -71,24 +83,28 @@ struct point_data {
         state = state * 6364136223846793005u + 1442695040888963407u;
         p[i] = static_cast<S>(static_cast<float>(static_cast<double>(state >> 40) / double(1u << 23) - 1.0));
       }
-      towers.push_back({{std::span<const S>(p, elements), 0}});
+      towers.emplace_back();
+      const std::size_t size = elements / variables;
+      for (std::size_t i = 0; i < variables; ++i)
+        towers.back().push_back({std::span<const S>(p + i * size, size), static_cast<int>(i)});
       weights.push_back(k + 1 == towers_count ? 20.0 : 32.0);
     }
   }
 };
 
-/// One contender's outputs and call.
+/// The outputs every contender writes (the same addresses for all: the overlap check's work
+/// depends on them), and each contender's sum of mean^2.
 template <class S>
-struct contender_state {
+struct point_outputs {
   aligned_buffer<S> mean, square;
-  std::span<S> mean_span, square_span;
-  double statistic = 0;
+  std::vector<std::span<S>> mean_spans, square_spans;
 };
 
 template <class S>
-void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t elements, dispatch_op op) {
+void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t elements, std::size_t variables,
+                    dispatch_op op) {
   comparison cmp;
-  auto& data = cmp.hold<point_data<S>>(towers, elements);
+  auto& data = cmp.hold<point_data<S>>(towers, elements, variables);
   gradavg::options opts;
   if (op == dispatch_op::all) {
     opts.weights = data.weights;
@@ -96,7 +112,8 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
     opts.on_nonfinite = gradavg::nonfinite_policy::report;
     opts.statistics = true;
   }
-  const bool squares = op == dispatch_op::mean_sq;
+  opts.streaming_stores = op == dispatch_op::mean_nt;
+  const bool squares = op == dispatch_op::mean_sq || (op == dispatch_op::all && variables > 1);
   const double bytes = static_cast<double>((towers + (squares ? 2 : 1)) * elements * sizeof(S));
 
   struct named {
@@ -106,35 +123,44 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
   };
   const auto cpu = gradavg::cpu_simd_level();
   std::vector<named> units = {{"native", dispatch::native_unit(), -1}, {"portable", dispatch::portable_unit(), -1}};
-  if (cpu == gradavg::simd_level::avx512)
+  if (cpu == gradavg::simd_level::avx512_bf16)
+    units.push_back({"portable_avx512", dispatch::portable_unit(), static_cast<int>(gradavg::simd_level::avx512)});
+  if (cpu >= gradavg::simd_level::avx512)
     units.push_back({"portable_avx2", dispatch::portable_unit(), static_cast<int>(gradavg::simd_level::avx2)});
   if (cpu > gradavg::simd_level::sse2)
     units.push_back({"portable_sse2", dispatch::portable_unit(), static_cast<int>(gradavg::simd_level::sse2)});
 
-  const contender_state<S>* reference = nullptr;
+  auto& out = cmp.hold<point_outputs<S>>();
+  const std::size_t size = elements / variables;
+  out.mean = aligned_buffer<S>(elements);
+  for (std::size_t i = 0; i < variables; ++i) out.mean_spans.emplace_back(out.mean.data() + i * size, size);
+  if (squares) {
+    out.square = aligned_buffer<S>(elements);
+    for (std::size_t i = 0; i < variables; ++i) out.square_spans.emplace_back(out.square.data() + i * size, size);
+  }
+  std::vector<S> reference_mean, reference_square;
+  double reference_statistic = 0;
   for (const named& u : units) {
-    auto& st = cmp.hold<contender_state<S>>();
-    st.mean = aligned_buffer<S>(elements);
-    st.mean_span = std::span<S>(st.mean.data(), elements);
-    if (squares) {
-      st.square = aligned_buffer<S>(elements);
-      st.square_span = std::span<S>(st.square.data(), elements);
-    }
     const auto fn = entry<S>(u.unit);
     const int forced = u.forced;
-    auto r = make_fn_runner([&data, &st, &opts, fn, forced, squares] {
+    auto& statistic = cmp.hold<double>(0.0);
+    auto r = make_fn_runner([&data, &out, &statistic, &opts, fn, forced] {
       if (forced >= 0) gradavg::force_simd_level(static_cast<gradavg::simd_level>(forced));
-      st.statistic = fn(data.towers, std::span<std::span<S>>(&st.mean_span, 1),
-                        squares ? std::span<std::span<S>>(&st.square_span, 1) : std::span<std::span<S>>(), opts);
+      statistic = fn(data.towers, out.mean_spans, out.square_spans, opts);
       if (forced >= 0) gradavg::reset_simd_level();
     });
+    const S unwritten = static_cast<S>(std::numeric_limits<float>::quiet_NaN());  // shows an output left unwritten
+    std::fill_n(out.mean.data(), elements, unwritten);
+    if (squares) std::fill_n(out.square.data(), elements, unwritten);
     r->run();
-    if (reference == nullptr) {
-      reference = &st;
+    if (reference_mean.empty()) {
+      reference_mean.assign(out.mean.data(), out.mean.data() + elements);
+      if (squares) reference_square.assign(out.square.data(), out.square.data() + elements);
+      reference_statistic = statistic;
     } else {
-      const bool same = std::memcmp(st.mean.data(), reference->mean.data(), elements * sizeof(S)) == 0 &&
-                        (!squares || std::memcmp(st.square.data(), reference->square.data(), elements * sizeof(S)) == 0) &&
-                        std::memcmp(&st.statistic, &reference->statistic, sizeof(double)) == 0;
+      const bool same = std::memcmp(out.mean.data(), reference_mean.data(), elements * sizeof(S)) == 0 &&
+                        (!squares || std::memcmp(out.square.data(), reference_square.data(), elements * sizeof(S)) == 0) &&
+                        std::memcmp(&statistic, &reference_statistic, sizeof(double)) == 0;
       if (!same) {
         state.SkipWithError((std::string(u.name) + " differs from native").c_str());
         return;
@@ -149,17 +175,23 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
 }
 
 template <class S>
+void register_point(const std::string& name, std::size_t rounds, std::size_t towers, std::size_t elements,
+                    std::size_t variables, dispatch_op op) {
+  benchmark::RegisterBenchmark(name.c_str(),
+                               [=](benchmark::State& s) { dispatch_point<S>(s, towers, elements, variables, op); })
+      ->Iterations(static_cast<benchmark::IterationCount>(rounds))
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
+}
+
+template <class S>
 void register_type(std::size_t elements, std::size_t rounds) {
   for (std::size_t size : {std::size_t{65536}, elements})
     for (std::size_t towers : {2, 4, 8, 16})
-      for (dispatch_op op : {dispatch_op::mean, dispatch_op::mean_sq, dispatch_op::all}) {
+      for (dispatch_op op : {dispatch_op::mean, dispatch_op::mean_nt, dispatch_op::mean_sq, dispatch_op::all}) {
         const std::string name = std::string("paired_dispatch/") + type_name<S>() + "/T:" + std::to_string(towers) +
                                  "/P:" + std::to_string(size) + "/" + op_name(op) + "/threads:1";
-        benchmark::RegisterBenchmark(name.c_str(),
-                                     [=](benchmark::State& s) { dispatch_point<S>(s, towers, size, op); })
-            ->Iterations(static_cast<benchmark::IterationCount>(rounds))
-            ->UseRealTime()
-            ->Unit(benchmark::kMillisecond);
+        register_point<S>(name, rounds, towers, size, 1, op);
       }
 }
 
@@ -170,6 +202,9 @@ int main(int argc, char** argv) {
   using namespace gradavg_bench;
   const std::size_t rounds = take_count_flag(argc, argv, "--dispatch_rounds=", 11);
   const std::size_t elements = take_count_flag(argc, argv, "--dispatch_elements=", std::size_t{1} << 24);
+  for (dispatch_op op : {dispatch_op::mean_sq, dispatch_op::all})
+    register_point<float>(std::string("paired_dispatch/float/T:4/V:1000x64/") + op_name(op) + "/threads:1", rounds, 4,
+                          64000, 1000, op);
   register_type<float>(elements, rounds);
   register_type<Eigen::half>(elements, rounds);
   register_type<Eigen::bfloat16>(elements, rounds);

@@ -24,7 +24,8 @@ namespace {
 /// Levels this CPU runs above the baseline, and the baseline itself first.
 std::vector<gradavg::simd_level> runnable_levels() {
   std::vector<gradavg::simd_level> levels;
-  for (auto level : {gradavg::simd_level::sse2, gradavg::simd_level::avx2, gradavg::simd_level::avx512})
+  for (auto level : {gradavg::simd_level::sse2, gradavg::simd_level::avx2, gradavg::simd_level::avx512,
+                     gradavg::simd_level::avx512_bf16})
     if (level <= gradavg::cpu_simd_level()) levels.push_back(level);
   return levels;
 }
@@ -257,9 +258,9 @@ TEST_CASE("the level can be forced down and reset, never up past the CPU") {
     CHECK(gradavg::force_simd_level(level));
     CHECK(gradavg::simd_level_in_use() == level);
   }
-  if (cpu < gradavg::simd_level::avx512) {
+  if (cpu < gradavg::simd_level::avx512_bf16) {
     const auto before = gradavg::simd_level_in_use();
-    CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::avx512));
+    CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::avx512_bf16));
     CHECK(gradavg::simd_level_in_use() == before);
   }
   gradavg::reset_simd_level();

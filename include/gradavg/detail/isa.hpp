@@ -51,6 +51,9 @@
 #define GRADAVG_DISPATCH_ 1
 #endif
 #if defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512BF16__)
+#define GRADAVG_UNIT_LEVEL_ 5
+#elif defined(__x86_64__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
 #define GRADAVG_UNIT_LEVEL_ 4
 #elif defined(__x86_64__) && defined(__AVX2__) && defined(__F16C__)
@@ -63,7 +66,7 @@
 #define GRADAVG_UNIT_LEVEL_ 0
 #endif
 #if defined(GRADAVG_DISPATCH_)
-#define GRADAVG_TOP_LEVEL_ 4
+#define GRADAVG_TOP_LEVEL_ 5
 #else
 #define GRADAVG_TOP_LEVEL_ GRADAVG_UNIT_LEVEL_
 #endif

@@ -34,8 +34,8 @@
 // with prefetch set (large calls), whole steps prefetch each tower's data a little ahead.
 //
 // Levels (simd.hpp): packet_level.hpp and kernel_level.hpp are compiled once per level this
-// translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2, avx2, avx512;
-// detail::generic for a unit without run-time dispatch) and, on x86-64, inside a region that
+// translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2, avx2, avx512,
+// avx512_bf16; detail::generic for a unit without run-time dispatch) and, on x86-64, inside a region that
 // enables the level's instructions for those functions alone; reduce_range picks one per call.
 #pragma once
 
@@ -249,15 +249,8 @@ GRADAVG_TARGET_POP_
 #undef GRADAVG_LEVEL_AVX2_
 #undef GRADAVG_LEVEL_NS_
 #endif
-#if GRADAVG_TOP_LEVEL_ >= 4
-// A unit whose flags have AVX-512 BF16 (it runs only where the CPU has it) uses its bfloat16
-// conversion, in a namespace of its own.
-#if defined(__AVX512BF16__)
-#define GRADAVG_LEVEL_NS_ avx512_bf16
-#define GRADAVG_LEVEL_BF16_ 1
-#else
+#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 4
 #define GRADAVG_LEVEL_NS_ avx512
-#endif
 #define GRADAVG_LEVEL_AVX512_ 1
 #if GRADAVG_UNIT_LEVEL_ < 4
 GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")
@@ -265,6 +258,23 @@ GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")
 #include "packet_level.hpp"
 #include "kernel_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 4
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_LEVEL_AVX512_
+#undef GRADAVG_LEVEL_NS_
+#endif
+// AVX-512 with BF16: only bfloat16 outputs take other instructions (the conversion), so a unit
+// that also compiles the plain AVX-512 level instantiates this one for them alone (reduce_range).
+#if GRADAVG_TOP_LEVEL_ >= 5
+#define GRADAVG_LEVEL_NS_ avx512_bf16
+#define GRADAVG_LEVEL_AVX512_ 1
+#define GRADAVG_LEVEL_BF16_ 1
+#if GRADAVG_UNIT_LEVEL_ < 5
+GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c")
+#endif
+#include "packet_level.hpp"
+#include "kernel_level.hpp"
+#if GRADAVG_UNIT_LEVEL_ < 5
 GRADAVG_TARGET_POP_
 #endif
 #undef GRADAVG_LEVEL_AVX512_
@@ -292,20 +302,16 @@ namespace unit_level = generic;
 namespace unit_level = sse2;
 #elif GRADAVG_UNIT_LEVEL_ == 3
 namespace unit_level = avx2;
-#elif defined(__AVX512BF16__)
-namespace unit_level = avx512_bf16;
-#else
+#elif GRADAVG_UNIT_LEVEL_ == 4
 namespace unit_level = avx512;
+#else
+namespace unit_level = avx512_bf16;
 #endif
 
-// GRADAVG_AT_LEVEL_(call): returns `call`, a call of a function of a level's namespace, at the level
-// simd_level_in_use() names (a switch over the levels this unit compiles).
+// GRADAVG_AT_LEVEL_(bf16, call): returns `call`, a call of a function of a level's namespace, at
+// the level simd_level_in_use() names (a switch over the levels this unit compiles); at
+// avx512_bf16, the plain AVX-512 level's unless bf16 (bfloat16 outputs) or the unit has none.
 #if GRADAVG_UNIT_LEVEL_ >= 2
-#if defined(__AVX512BF16__)
-#define GRADAVG_AVX512_NS_ avx512_bf16
-#else
-#define GRADAVG_AVX512_NS_ avx512
-#endif
 #if GRADAVG_UNIT_LEVEL_ <= 2
 #define GRADAVG_CASE_SSE2_(...) case simd_level::sse2: return sse2::__VA_ARGS__;
 #else
@@ -316,21 +322,31 @@ namespace unit_level = avx512;
 #else
 #define GRADAVG_CASE_AVX2_(...)
 #endif
-#if GRADAVG_TOP_LEVEL_ >= 4
-#define GRADAVG_CASE_AVX512_(...) case simd_level::avx512: return GRADAVG_AVX512_NS_::__VA_ARGS__;
+#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 4
+#define GRADAVG_CASE_AVX512_(...) case simd_level::avx512: return avx512::__VA_ARGS__;
 #else
 #define GRADAVG_CASE_AVX512_(...)
 #endif
-#define GRADAVG_AT_LEVEL_(...)                                                          \
-  switch (simd_level_in_use()) {                                                        \
-    GRADAVG_CASE_SSE2_(__VA_ARGS__)                                                     \
-    GRADAVG_CASE_AVX2_(__VA_ARGS__)                                                     \
-    GRADAVG_CASE_AVX512_(__VA_ARGS__)                                                   \
-    default: break;                                                                     \
-  }                                                                                     \
+#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 5
+#define GRADAVG_CASE_AVX512_BF16_(bf16, ...) \
+  case simd_level::avx512_bf16:              \
+    if constexpr (bf16) return avx512_bf16::__VA_ARGS__; else return avx512::__VA_ARGS__;
+#elif GRADAVG_TOP_LEVEL_ >= 5
+#define GRADAVG_CASE_AVX512_BF16_(bf16, ...) case simd_level::avx512_bf16: return avx512_bf16::__VA_ARGS__;
+#else
+#define GRADAVG_CASE_AVX512_BF16_(bf16, ...)
+#endif
+#define GRADAVG_AT_LEVEL_(bf16, ...)                \
+  switch (simd_level_in_use()) {                     \
+    GRADAVG_CASE_SSE2_(__VA_ARGS__)                  \
+    GRADAVG_CASE_AVX2_(__VA_ARGS__)                  \
+    GRADAVG_CASE_AVX512_(__VA_ARGS__)                \
+    GRADAVG_CASE_AVX512_BF16_(bf16, __VA_ARGS__)     \
+    default: break;                                  \
+  }                                                  \
   __builtin_unreachable()
 #else
-#define GRADAVG_AT_LEVEL_(...) return generic::__VA_ARGS__
+#define GRADAVG_AT_LEVEL_(bf16, ...) return generic::__VA_ARGS__
 #endif
 
 /// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc, at the
@@ -345,7 +361,8 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
   static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
-  GRADAVG_AT_LEVEL_(reduce_range<S, Acc, O>(tower_data, tower_count, begin, end, mean, square, streaming, prefetch,
+  GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
+                    reduce_range<S, Acc, O>(tower_data, tower_count, begin, end, mean, square, streaming, prefetch,
                                             divisor, fused));
 }
 
@@ -354,7 +371,7 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
 /// division.
 template <class Acc>
 void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) noexcept {
-  GRADAVG_AT_LEVEL_(stream_quotients<Acc>(from, to, len, divisor));
+  GRADAVG_AT_LEVEL_(false, stream_quotients<Acc>(from, to, len, divisor));
 }
 
 

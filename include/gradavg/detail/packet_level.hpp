@@ -175,9 +175,9 @@ struct packet_ops : simd_vec<T> {
   /// v, opaque to the optimiser: a product passed through it is rounded to T before any later
   /// sum (it cannot be contracted into one). No instruction on x86 and Arm.
   static type rounded(type v) noexcept {
-#if defined(GRADAVG_LEVEL_AVX512_)
+#if defined(__GNUC__) && defined(GRADAVG_LEVEL_AVX512_)
     __asm__("" : "+v"(v));  // any of the 32 vector registers
-#elif defined(GRADAVG_LEVEL_SSE2_) || defined(GRADAVG_LEVEL_AVX2_)
+#elif defined(__GNUC__) && (defined(GRADAVG_LEVEL_SSE2_) || defined(GRADAVG_LEVEL_AVX2_))
     __asm__("" : "+x"(v));
 #elif defined(__GNUC__) && (defined(__aarch64__) || defined(__ARM_NEON))
     __asm__("" : "+w"(v));
