@@ -19,7 +19,10 @@
 //   portable_avx512 the same, forced to AVX-512 without BF16 (when the CPU has AVX-512 BF16)
 //   portable_avx2   the same, forced to AVX2 (when the CPU has AVX-512)
 //   portable_sse2   the same, forced to SSE2
-// Counters: <c>.over.native = median over rounds of t(c) / t(native); GBps.<c> (bytes credited
+//   v3_avx2         the -march=x86-64-v3 unit forced to AVX2 (when the CPU has AVX-512): an AVX2
+//                   machine's build, against which portable_avx2 is an AVX2 machine's portable one
+// Counters: <c>.over.native = median over rounds of t(c) / t(native); portable_avx2.over.v3_avx2
+// likewise; GBps.<c> (bytes credited
 // as bench_fused.cpp does: (T+1)·P elements, (T+2)·P with squares).
 // Flags (before Google Benchmark's own): --dispatch_rounds=N (default 11), --dispatch_elements=N.
 #include <benchmark/benchmark.h>
@@ -129,6 +132,8 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
     units.push_back({"portable_avx2", dispatch::portable_unit(), static_cast<int>(gradavg::simd_level::avx2)});
   if (cpu > gradavg::simd_level::sse2)
     units.push_back({"portable_sse2", dispatch::portable_unit(), static_cast<int>(gradavg::simd_level::sse2)});
+  if (cpu >= gradavg::simd_level::avx512)
+    units.push_back({"v3_avx2", dispatch::v3_unit(), static_cast<int>(gradavg::simd_level::avx2)});
 
   auto& out = cmp.hold<point_outputs<S>>();
   const std::size_t size = elements / variables;
@@ -172,6 +177,8 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
   const contender* native = cmp.find("native");
   for (const contender& c : cmp.contenders)
     if (&c != native) state.counters[c.name + ".over.native"] = time_ratio(c, *native);
+  if (const contender* v3 = cmp.find("v3_avx2"))
+    state.counters["portable_avx2.over.v3_avx2"] = time_ratio(*cmp.find("portable_avx2"), *v3);
 }
 
 template <class S>

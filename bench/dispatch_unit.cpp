@@ -1,5 +1,5 @@
 // One unit of bench_dispatch (dispatch_unit.hpp), compiled once per GRADAVG_BENCH_UNIT: native
-// (with -march=native) or portable (no instruction-set flags).
+// (with -march=native), v3 (-march=x86-64-v3) or portable (no instruction-set flags).
 #include "dispatch_unit.hpp"
 
 #include <gradavg/gradavg.hpp>

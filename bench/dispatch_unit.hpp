@@ -1,7 +1,7 @@
-// bench_dispatch.cpp's translation units: dispatch_unit.cpp compiled twice into one program, once
-// with -march=native (gradavg's kernel for this machine's level alone) and once without
-// instruction-set flags (every x86-64 level, chosen at run time), so that their calls can be
-// timed side by side in one run. The interface holds only types shared by every level.
+// bench_dispatch.cpp's translation units: dispatch_unit.cpp compiled three times into one program:
+// with -march=native (gradavg's kernel for this machine's level alone), with -march=x86-64-v3
+// (AVX2 and up), and without instruction-set flags (every x86-64 level, chosen at run time), so
+// that their calls can be timed side by side in one run. The interface holds only types shared by every level.
 #pragma once
 
 #include <Eigen/Core>
@@ -34,6 +34,7 @@ struct unit {
 };
 
 unit native_unit();    ///< compiled with -march=native
+unit v3_unit();        ///< compiled with -march=x86-64-v3 (the flags of an AVX2 machine's build)
 unit portable_unit();  ///< compiled without instruction-set flags
 
 }  // namespace gradavg_bench::dispatch

@@ -14,10 +14,10 @@
 # GRADAVG_FUZZ_NO_LARGE=1 leaves out the cases large enough for several threads' chunks (about
 # 1 MiB per chunk, hundreds of times the cost of a small case): for long runs that count
 # executions; run without it too, so that the threaded split is fuzzed.
-# GRADAVG_FUZZ_NATIVE=OFF builds for the baseline instruction set (SSE2: 16-byte packets, four
-# per step) instead of -march=native, in ${GRADAVG_BUILD_ROOT:-build}/fuzz-baseline: some kernel
-# paths differ by packet width (a reload offset within a step is invisible with one 64-byte
-# packet per step), so fuzz both.
+# GRADAVG_FUZZ_NATIVE=OFF builds without -march, in ${GRADAVG_BUILD_ROOT:-build}/fuzz-baseline,
+# and runs the SSE2 kernel (GRADAVG_ISA=sse2 unless set: 16-byte packets, four per step) instead
+# of this machine's widest: some kernel paths differ by packet width (a reload offset within a
+# step is invisible with one 64-byte packet per step), so fuzz both.
 # GRADAVG_FUZZ_TOLERATE=name,... lets known, reported deviations of the library pass (their
 # names are in fuzz_average.cpp, where each is checked), so that a long run looks for others.
 set -euo pipefail
@@ -41,6 +41,7 @@ cmake -S . -B "$build" -DCMAKE_CXX_COMPILER="${GRADAVG_FUZZ_CXX:-clang++-14}" -D
   -DGRADAVG_NATIVE="$native" > /dev/null
 cmake --build "$build" --target fuzz_average -j "$(nproc)"
 
+if [ "$native" = OFF ]; then export GRADAVG_ISA="${GRADAVG_ISA:-sse2}"; fi
 inputs=(tests/fuzz/corpus)
 if [ -d tests/fuzz/regressions ]; then inputs+=(tests/fuzz/regressions); fi
 mkdir -p "$build/corpus" "$build/artifacts"

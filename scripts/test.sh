@@ -10,14 +10,15 @@
 #             without MPI (-DGRADAVG_MPI=OFF: Open MPI's own allocations would fail LeakSanitizer,
 #             and the cross build has no aarch64 MPI); the libtorch test,
 #             example and bench (gradavg::torch) in this stage only (-DGRADAVG_TORCH=OFF elsewhere)
-#   sanitize  GCC, ASan+UBSan (-fno-sanitize-recover=all), baseline instruction set (SSE2), -O0
+#   sanitize  GCC, ASan+UBSan (-fno-sanitize-recover=all), no -march (the kernel at every level
+#             the machine runs in test_dispatch, at its widest elsewhere), -O0
 #             (the tests take 76 s there against 31 s at -O1, the build 7 min against 16):
 #             tests and examples (not the package tests, which the werror stage runs)
 #   clang     Clang 14 with libstdc++, -march=native, -Werror: tests and examples
 #   tsan      Clang 14, ThreadSanitizer: the thread tests
 #   arm       aarch64 (NEON) cross build with g++-aarch64-linux-gnu: tests and examples, run
 #             under qemu-aarch64
-#   fuzz      Clang 14 libFuzzer target under ASan+UBSan (baseline SSE2 build: 16-byte packets,
+#   fuzz      Clang 14 libFuzzer target under ASan+UBSan (no -march, the SSE2 kernel: 16-byte packets,
 #             four per step, exercise what one 64-byte packet per step hides): the seed corpus,
 #             the regression inputs, then 60 s of fuzzing (fuzz_smoke); longer runs:
 #             scripts/fuzz.sh
