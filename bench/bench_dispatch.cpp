@@ -48,26 +48,36 @@ enum class dispatch_op { mean, mean_nt, mean_sq, all };
 
 const char* op_name(dispatch_op op) {
   switch (op) {
-    case dispatch_op::mean: return "mean";
-    case dispatch_op::mean_nt: return "mean_nt";
-    case dispatch_op::mean_sq: return "mean_sq";
-    case dispatch_op::all: return "all";
+    case dispatch_op::mean:
+      return "mean";
+    case dispatch_op::mean_nt:
+      return "mean_nt";
+    case dispatch_op::mean_sq:
+      return "mean_sq";
+    case dispatch_op::all:
+      return "all";
   }
   return "";
 }
 
 template <class S>
 const char* type_name() {
-  if constexpr (std::is_same_v<S, float>) return "float";
-  else if constexpr (std::is_same_v<S, Eigen::half>) return "half";
-  else return "bfloat16";
+  if constexpr (std::is_same_v<S, float>)
+    return "float";
+  else if constexpr (std::is_same_v<S, Eigen::half>)
+    return "half";
+  else
+    return "bfloat16";
 }
 
 template <class S>
 dispatch::average_fn<S> entry(const dispatch::unit& u) {
-  if constexpr (std::is_same_v<S, float>) return u.average_float;
-  else if constexpr (std::is_same_v<S, Eigen::half>) return u.average_half;
-  else return u.average_bfloat16;
+  if constexpr (std::is_same_v<S, float>)
+    return u.average_float;
+  else if constexpr (std::is_same_v<S, Eigen::half>)
+    return u.average_half;
+  else
+    return u.average_bfloat16;
 }
 
 /// The towers of one point: T gradients of P values in [-1, 1), as V variables of P / V each.
@@ -163,9 +173,10 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
       if (squares) reference_square.assign(out.square.data(), out.square.data() + elements);
       reference_statistic = statistic;
     } else {
-      const bool same = std::memcmp(out.mean.data(), reference_mean.data(), elements * sizeof(S)) == 0 &&
-                        (!squares || std::memcmp(out.square.data(), reference_square.data(), elements * sizeof(S)) == 0) &&
-                        std::memcmp(&statistic, &reference_statistic, sizeof(double)) == 0;
+      const bool same =
+          std::memcmp(out.mean.data(), reference_mean.data(), elements * sizeof(S)) == 0 &&
+          (!squares || std::memcmp(out.square.data(), reference_square.data(), elements * sizeof(S)) == 0) &&
+          std::memcmp(&statistic, &reference_statistic, sizeof(double)) == 0;
       if (!same) {
         state.SkipWithError((std::string(u.name) + " differs from native").c_str());
         return;

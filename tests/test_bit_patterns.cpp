@@ -57,10 +57,14 @@ struct value_source {
     z ^= z >> 31;
     const double unit = static_cast<double>(z >> 41) / static_cast<double>(1u << 22) - 1.0;
     switch (z & 7u) {
-      case 0: return 0.0;
-      case 1: return unit * 0x1p-12;
-      case 2: return unit * 0x1p10;
-      default: return unit;
+      case 0:
+        return 0.0;
+      case 1:
+        return unit * 0x1p-12;
+      case 2:
+        return unit * 0x1p10;
+      default:
+        return unit;
     }
   }
 };
@@ -85,11 +89,13 @@ std::vector<std::vector<std::vector<S>>> make_towers(std::size_t towers, const s
 
 /// One case's hash: means, squares, per-variable and total statistics.
 template <class S, class O>
-std::uint64_t case_hash(std::size_t towers, const std::vector<std::size_t>& sizes, bool specials, gradavg::options opts) {
+std::uint64_t case_hash(std::size_t towers, const std::vector<std::size_t>& sizes, bool specials,
+                        gradavg::options opts) {
   const auto data = make_towers<S>(towers, sizes, specials, towers * 1000 + sizes.size());
   std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(towers);
   for (std::size_t k = 0; k < towers; ++k)
-    for (std::size_t i = 0; i < sizes.size(); ++i) tg[k].push_back({std::span<const S>(data[k][i]), static_cast<int>(i)});
+    for (std::size_t i = 0; i < sizes.size(); ++i)
+      tg[k].push_back({std::span<const S>(data[k][i]), static_cast<int>(i)});
   std::vector<std::vector<O>> means, squares;
   std::vector<std::span<O>> m, q;
   for (std::size_t n : sizes) {

@@ -79,7 +79,8 @@ template <class O, class S>
 run_result<O> run(const towers_of<S>& data, gradavg::options opts, bool squares) {
   std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(data.size());
   for (std::size_t k = 0; k < data.size(); ++k)
-    for (std::size_t i = 0; i < data[k].size(); ++i) tg[k].push_back({std::span<const S>(data[k][i]), static_cast<int>(i)});
+    for (std::size_t i = 0; i < data[k].size(); ++i)
+      tg[k].push_back({std::span<const S>(data[k][i]), static_cast<int>(i)});
   run_result<O> r;
   std::vector<std::span<O>> m, q;
   for (const auto& v : data[0]) {
@@ -108,7 +109,8 @@ template <class O>
 bool same_bits(const std::vector<std::vector<O>>& a, const std::vector<std::vector<O>>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(O)) != 0))
+    if (a[i].size() != b[i].size() ||
+        (!a[i].empty() && std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(O)) != 0))
       return false;
   return true;
 }
@@ -136,8 +138,8 @@ template <class S, class O>
 void check_against_reference(const towers_of<S>& data, const run_result<O>& r, const gradavg::options& opts) {
   const bool double_sums = std::is_same_v<S, double> || opts.accumulate == gradavg::accumulation::double_precision;
   const long double u = double_sums ? std::ldexp(1.0L, -53) : std::ldexp(1.0L, -24);
-  const long double output_ulp = std::is_same_v<O, double> ? std::ldexp(1.0L, -52)
-                                 : std::is_same_v<O, float>  ? std::ldexp(1.0L, -23)
+  const long double output_ulp = std::is_same_v<O, double>        ? std::ldexp(1.0L, -52)
+                                 : std::is_same_v<O, float>       ? std::ldexp(1.0L, -23)
                                  : std::is_same_v<O, Eigen::half> ? std::ldexp(1.0L, -10)
                                                                   : std::ldexp(1.0L, -7);
   std::size_t bad = 0;
@@ -146,8 +148,8 @@ void check_against_reference(const towers_of<S>& data, const run_result<O>& r, c
       const auto [expected, bound] = reference(data, i, j, opts, u);
       const long double got = static_cast<long double>(static_cast<double>(r.means[i][j]));
       if (!std::isfinite(static_cast<double>(expected)) || !std::isfinite(static_cast<double>(got))) continue;
-      const long double tolerance =
-          bound + output_ulp * std::fabs(expected) + static_cast<long double>(static_cast<double>(std::numeric_limits<O>::denorm_min()));
+      const long double tolerance = bound + output_ulp * std::fabs(expected) +
+                                    static_cast<long double>(static_cast<double>(std::numeric_limits<O>::denorm_min()));
       if (std::fabs(got - expected) > tolerance && bad++ < 3)
         FAIL_CHECK("variable " << i << " element " << j << ": " << static_cast<double>(got) << " vs reference "
                                << static_cast<double>(expected));
@@ -212,7 +214,8 @@ void check_element_type() {
     check_levels<S, O>(data, {}, true);
     gradavg::options fused{.on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true};
     check_levels<S, O>(data, fused, false);
-    std::vector<double> weights(weights17.begin(), weights17.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(towers, 17)));
+    std::vector<double> weights(weights17.begin(),
+                                weights17.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(towers, 17)));
     weights.resize(towers, 1.5);
     fused.weights = weights;
     fused.scale = 0.125;

@@ -120,7 +120,7 @@ inline int requested_simd_level() noexcept {
   if (level < 0) [[unlikely]] {
     const int fallback = default_simd_level();
     // A force_simd_level made meanwhile wins.
-    level = selected_simd_level().compare_exchange_strong(level, fallback, std::memory_order_relaxed) ? fallback : level;
+    if (selected_simd_level().compare_exchange_strong(level, fallback, std::memory_order_relaxed)) level = fallback;
   }
   return level;
 }

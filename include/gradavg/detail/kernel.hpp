@@ -22,8 +22,8 @@
 // blocking, alignment, how a caller splits [0, n) across threads, or the instruction set: means
 // and squares are the same bits at every level (SSE2, AVX2, AVX-512, NEON, scalar). The fused
 // statistics are sums over elements in eight double lanes filled in the same order at every SIMD
-// level (fused_state): the same bits too. A NaN result is always the default quiet NaN (NaN inputs' payloads
-// are not propagated), so NaN results are bitwise reproducible too.
+// level (fused_state): the same bits too. A NaN result is always the default quiet NaN (NaN
+// inputs' payloads are not propagated), so NaN results are bitwise reproducible too.
 // Every g_k[j] is read once and mean[j], square[j] written once, after all reads of index j,
 // so mean may be g_0 itself (in place). No other overlap is allowed.
 //
@@ -35,8 +35,9 @@
 //
 // Levels (simd.hpp): packet_level.hpp and kernel_level.hpp are compiled once per level this
 // translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2, avx2, avx512,
-// avx512_bf16; detail::generic for a unit without run-time dispatch) and, on x86-64, inside a region that
-// enables the level's instructions for those functions alone; reduce_range picks one per call.
+// avx512_bf16; detail::generic for a unit without run-time dispatch) and, on x86-64, inside a
+// region that enables the level's instructions for those functions alone; reduce_range picks one
+// per call.
 #pragma once
 
 #include <algorithm>

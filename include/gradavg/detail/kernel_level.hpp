@@ -470,7 +470,8 @@ void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) no
     to[j] = x == x ? x : nan;
   }
   const auto d = ops::broadcast(divisor);
-  for (; j + ops::width <= len; j += ops::width) ops::stream(to + j, ops::canonical_nan(ops::div(ops::load(from + j), d)));
+  for (; j + ops::width <= len; j += ops::width)
+    ops::stream(to + j, ops::canonical_nan(ops::div(ops::load(from + j), d)));
   for (; j < len; ++j) {
     const Acc x = from[j] / divisor;
     to[j] = x == x ? x : nan;

@@ -44,7 +44,8 @@ struct simd_vec<float> {
   static type div(type a, type b) noexcept { return _mm_div_ps(a, b); }
   static type canonical_nan(type v) noexcept {
     const type ordered = _mm_cmpord_ps(v, v);
-    return _mm_or_ps(_mm_and_ps(ordered, v), _mm_andnot_ps(ordered, broadcast(std::numeric_limits<float>::quiet_NaN())));
+    return _mm_or_ps(_mm_and_ps(ordered, v),
+                     _mm_andnot_ps(ordered, broadcast(std::numeric_limits<float>::quiet_NaN())));
   }
   static bool any_nan(type v) noexcept { return _mm_movemask_ps(_mm_cmpunord_ps(v, v)) != 0; }
 };
@@ -61,7 +62,8 @@ struct simd_vec<double> {
   static type div(type a, type b) noexcept { return _mm_div_pd(a, b); }
   static type canonical_nan(type v) noexcept {
     const type ordered = _mm_cmpord_pd(v, v);
-    return _mm_or_pd(_mm_and_pd(ordered, v), _mm_andnot_pd(ordered, broadcast(std::numeric_limits<double>::quiet_NaN())));
+    return _mm_or_pd(_mm_and_pd(ordered, v),
+                     _mm_andnot_pd(ordered, broadcast(std::numeric_limits<double>::quiet_NaN())));
   }
   static bool any_nan(type v) noexcept { return _mm_movemask_pd(_mm_cmpunord_pd(v, v)) != 0; }
 };
@@ -112,7 +114,8 @@ struct simd_vec<float> {
   static type mul(type a, type b) noexcept { return _mm512_mul_ps(a, b); }
   static type div(type a, type b) noexcept { return _mm512_div_ps(a, b); }
   static type canonical_nan(type v) noexcept {
-    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<float>::quiet_NaN()));
+    return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              broadcast(std::numeric_limits<float>::quiet_NaN()));
   }
   static bool any_nan(type v) noexcept { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
 };
@@ -128,7 +131,8 @@ struct simd_vec<double> {
   static type mul(type a, type b) noexcept { return _mm512_mul_pd(a, b); }
   static type div(type a, type b) noexcept { return _mm512_div_pd(a, b); }
   static type canonical_nan(type v) noexcept {
-    return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q), broadcast(std::numeric_limits<double>::quiet_NaN()));
+    return _mm512_mask_mov_pd(v, _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q),
+                              broadcast(std::numeric_limits<double>::quiet_NaN()));
   }
   static bool any_nan(type v) noexcept { return _mm512_cmp_pd_mask(v, v, _CMP_UNORD_Q) != 0; }
 };
