@@ -12,7 +12,10 @@
 //   - the environment variable GRADAVG_ISA=sse2|avx2|avx512|avx512_bf16 (read once; an
 //     unknown name is ignored), for a whole process;
 //   - force_simd_level(level) / reset_simd_level(), for tests and benchmarks.
-// simd_level_in_use() names the level a call made now runs at, for logs and bug reports.
+// simd_level_in_use() names the level a call made now runs at, for logs and bug reports. The
+// choice is gradavg's one piece of program-wide state: an atomic that force_simd_level and
+// reset_simd_level set and each kernel call reads (relaxed: a call that overlaps a change runs
+// at either level, with the same results).
 #pragma once
 
 #include <atomic>

@@ -375,7 +375,6 @@ void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) no
   GRADAVG_AT_LEVEL_(false, stream_quotients<Acc>(from, to, len, divisor));
 }
 
-
 /// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
 /// kernel for: X(S, Acc, O) for each (the passes of average.hpp, the MPI path's buffers).
 #define GRADAVG_KERNEL_INSTANCES_(X)                                                            \
