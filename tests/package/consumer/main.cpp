@@ -1,5 +1,8 @@
 // A consumer of the gradavg package: averages two towers and checks the result by hand.
 #include <gradavg/gradavg.hpp>
+#if defined(GRADAVG_CONSUMER_EXPECT_EXTERN_KERNELS) && !defined(GRADAVG_EXTERN_KERNELS)
+#error "GRADAVG_EXTERN_KERNELS is not defined: this unit would compile the kernel itself"
+#endif
 #if defined(GRADAVG_CONSUMER_MPI)
 #include <gradavg/mpi.hpp>  // component mpi: compiles and links against MPI's C library
 #endif
