@@ -8,7 +8,8 @@
 #      with git archive into $VCPKG_ROOT/downloads, and a copy of the port names HEAD and its SHA512;
 #   2. configures, builds and runs tests/package/consumer with vcpkg's toolchain file, checking that
 #      gradavg and Eigen both come from vcpkg's install tree, with the kernel compiled once in its
-#      own unit (GRADAVG_EXTERN_KERNELS, the installed <gradavg/kernels.hpp>);
+#      own unit (GRADAVG_EXTERN_KERNELS, the installed <gradavg/kernels.hpp>), then by linking
+#      gradavg::kernels;
 #   3. compiles and runs the same program with the flags of vcpkg's gradavg.pc and eigen3.pc only.
 #
 #   bash scripts/check-vcpkg-port.sh [VCPKG_ROOT]      (or VCPKG_ROOT in the environment)
@@ -105,18 +106,21 @@ say "gradavg's files in the install tree:"
 (cd "$tree" && find share/gradavg share/pkgconfig/gradavg.pc -type f | sort && find include/gradavg -type f | wc -l |
    sed 's/$/ headers under include\/gradavg/')
 
-say "== consumer (tests/package/consumer) with vcpkg's toolchain file"
-t=$SECONDS
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S tests/package/consumer -B "$work/consumer" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_TOOLCHAIN_FILE="$root/scripts/buildsystems/vcpkg.cmake" -DVCPKG_TARGET_TRIPLET="$triplet" \
-  -DVCPKG_INSTALLED_DIR="$installed" -DVCPKG_MANIFEST_MODE=OFF \
-  -DGRADAVG_CONSUMER_MODE=find_package -DGRADAVG_EXPECTED_VERSION="$version" \
-  -DGRADAVG_EXPECTED_PREFIX="$tree" -DGRADAVG_EXPECTED_EIGEN_PREFIX="$tree" -DGRADAVG_CONSUMER_EXTERN_KERNELS=ON
-cmake --build "$work/consumer" -j "${JOBS:-2}"
-"$work/consumer/gradavg_consumer"
-say "   consumer configured, built and ran in $((SECONDS - t)) s"
+# The kernel compiled once: in a unit of the consumer's own, then by linking gradavg::kernels.
+for kernels in EXTERN_KERNELS KERNELS_TARGET; do
+  say "== consumer (tests/package/consumer) with vcpkg's toolchain file, GRADAVG_CONSUMER_$kernels"
+  t=$SECONDS
+  cmake -S tests/package/consumer -B "$work/consumer_$kernels" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
+    -DCMAKE_TOOLCHAIN_FILE="$root/scripts/buildsystems/vcpkg.cmake" -DVCPKG_TARGET_TRIPLET="$triplet" \
+    -DVCPKG_INSTALLED_DIR="$installed" -DVCPKG_MANIFEST_MODE=OFF \
+    -DGRADAVG_CONSUMER_MODE=find_package -DGRADAVG_EXPECTED_VERSION="$version" \
+    -DGRADAVG_EXPECTED_PREFIX="$tree" -DGRADAVG_EXPECTED_EIGEN_PREFIX="$tree" "-DGRADAVG_CONSUMER_$kernels=ON"
+  cmake --build "$work/consumer_$kernels" -j "${JOBS:-2}"
+  "$work/consumer_$kernels/gradavg_consumer"
+  say "   consumer configured, built and ran in $((SECONDS - t)) s"
+done
 
 say "== consumer through vcpkg's pkg-config files only"
 t=$SECONDS
