@@ -8,6 +8,7 @@
 #include "statistics.hpp"  // summary, variable_statistics, noise_estimate
 #include "layout_cache.hpp"  // layout_cache: reuse of the overlap check across calls
 #include "executor.hpp"  // threads: executor, thread_pool
+#include "simd.hpp"      // simd_level_in_use, force_simd_level: the kernel's instruction-set level
 #include "tensor.hpp"    // tensor_traits, shape; std::vector / std::span / std::array support
 #include "entry.hpp"     // (gradient, variable) entries, absent gradients, variable_traits
 #include "average.hpp"   // average_gradients, average_gradients_into
