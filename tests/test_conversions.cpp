@@ -99,7 +99,7 @@ void check_step_stores(const std::vector<float>& values, std::size_t offset, boo
     S* p = buffer + offset;
     if (streaming) {
       storage_ops<S, float>::stream_step(p, v);
-      gradavg::detail::unit_level::streaming_fence();
+      gradavg::detail::streaming_fence();
     } else {
       storage_ops<S, float>::store_step(p, v);
     }

@@ -960,6 +960,7 @@ struct call {
     };
     auto unpack = [&](const bucket_shape& sh, bucket_set& bs) {
       wait_all(bs);
+      bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
       const std::size_t elements = sh.end - sh.begin;
       const Buf* sums = bs.local;
       const Buf* sq = bs.local + elements;
@@ -982,6 +983,7 @@ struct call {
             if (opts.streaming_stores) {
               // The same quotients, stored around the caches.
               gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
+              streamed = true;
               return;
             }
           }
@@ -1008,6 +1010,7 @@ struct call {
         if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
         if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
       }
+      if (streamed) gradavg::detail::streaming_fence();
       progress();
     };
 

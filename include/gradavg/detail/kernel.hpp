@@ -150,6 +150,14 @@ inline constexpr bool software_prefetch = false;
 GRADAVG_INLINE_ void prefetch_ahead(const void*) noexcept {}
 #endif
 
+/// Orders non-temporal stores before what follows (they are weakly ordered): the same at every
+/// level (SSE's sfence); nothing where no level streams.
+inline void streaming_fence() noexcept {
+#if GRADAVG_UNIT_LEVEL_ >= 2
+  _mm_sfence();
+#endif
+}
+
 /// Run-time values of the fused features, in the accumulator type.
 template <class Acc>
 struct fused_params {
@@ -368,8 +376,8 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, with
-/// non-temporal stores where the level has them (then fenced): the same values as the scalar
-/// division.
+/// non-temporal stores where the level has them: the same values as the scalar division. Call
+/// streaming_fence before the outputs are read (once for many calls).
 template <class Acc>
 void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) noexcept {
   GRADAVG_AT_LEVEL_(false, stream_quotients<Acc>(from, to, len, divisor));

@@ -460,6 +460,7 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, stored
 /// non-temporally from the first element aligned to a packet: kernel.hpp's stream_quotients.
+/// Not fenced: the caller calls streaming_fence once before the outputs are read.
 template <class Acc>
 void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) noexcept {
   using ops = packet_ops<Acc>;
@@ -476,7 +477,6 @@ void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) no
     const Acc x = from[j] / divisor;
     to[j] = x == x ? x : nan;
   }
-  streaming_fence();
 }
 
 }  // namespace GRADAVG_LEVEL_NS_

@@ -1,6 +1,6 @@
 // gradavg internals: the SIMD operations the kernel uses at one instruction-set level, and the
 // only place gradavg touches compiler intrinsics (loads, stores, arithmetic, non-temporal stores,
-// sfence, conversions between float, double and the 16-bit types) or Eigen's internal packet API
+// conversions between float, double and the 16-bit types; the one sfence is kernel.hpp's) or Eigen's internal packet API
 // (the generic level: Eigen::internal::packet_traits, unpacket_traits, ploadu, pstoreu, pset1,
 // padd, pmul, pdiv, pcmp_eq, pselect). A change in Eigen's internals is a fix in this file alone.
 //
@@ -631,13 +631,6 @@ struct widen_ops {
     for (std::size_t part = 0; part < parts; ++part) out[part] = D::load(wide + part * D::width);
   }
 };
-
-/// Orders non-temporal stores before what follows (they are weakly ordered).
-inline void streaming_fence() noexcept {
-#if !defined(GRADAVG_LEVEL_GENERIC_)
-  _mm_sfence();
-#endif
-}
 
 }  // namespace GRADAVG_LEVEL_NS_
 }  // namespace detail
