@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "simd_levels.hpp"
 
 namespace {
 
@@ -178,12 +179,8 @@ TEST_CASE("every case gives the checked-in bits at every level this machine runs
     check_against_table();
     return;
   }
-  struct level_reset {
-    ~level_reset() { gradavg::reset_simd_level(); }
-  } reset;
-  for (auto level : {gradavg::simd_level::sse2, gradavg::simd_level::avx2, gradavg::simd_level::avx512,
-                     gradavg::simd_level::avx512_bf16}) {
-    if (level > cpu) continue;
+  gradavg_test::simd_level_reset reset;
+  for (auto level : gradavg_test::runnable_simd_levels()) {
     REQUIRE(gradavg::force_simd_level(level));
     INFO("level " << gradavg::to_string(gradavg::simd_level_in_use()));
     check_against_table();

@@ -18,22 +18,12 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "simd_levels.hpp"
 
 namespace {
 
-/// Levels this CPU runs above the baseline, and the baseline itself first.
-std::vector<gradavg::simd_level> runnable_levels() {
-  std::vector<gradavg::simd_level> levels;
-  for (auto level : {gradavg::simd_level::sse2, gradavg::simd_level::avx2, gradavg::simd_level::avx512,
-                     gradavg::simd_level::avx512_bf16})
-    if (level <= gradavg::cpu_simd_level()) levels.push_back(level);
-  return levels;
-}
-
-/// Restores the automatic choice when a test case ends, whatever it threw.
-struct level_reset {
-  ~level_reset() { gradavg::reset_simd_level(); }
-};
+using gradavg_test::runnable_simd_levels;
+using gradavg_test::simd_level_reset;
 
 template <class S>
 using towers_of = std::vector<std::vector<std::vector<S>>>;  // [tower][variable][element]
@@ -161,8 +151,8 @@ void check_against_reference(const towers_of<S>& data, const run_result<O>& r, c
 /// Every level this CPU runs gives the baseline's bits for these towers and options.
 template <class S, class O>
 void check_levels(const towers_of<S>& data, gradavg::options opts, bool squares) {
-  level_reset reset;
-  const auto levels = runnable_levels();
+  simd_level_reset reset;
+  const auto levels = runnable_simd_levels();
   REQUIRE(gradavg::force_simd_level(gradavg::simd_level::sse2));
   REQUIRE(gradavg::simd_level_in_use() == gradavg::simd_level::sse2);
   const auto baseline = run<O>(data, opts, squares);
@@ -252,12 +242,12 @@ TEST_CASE("every level this CPU runs gives the baseline's bits: bfloat16") {
 }
 
 TEST_CASE("the level can be forced down and reset, never up past the CPU") {
-  level_reset reset;
+  simd_level_reset reset;
   const auto cpu = gradavg::cpu_simd_level();
   REQUIRE(cpu >= gradavg::simd_level::sse2);  // x86-64
   CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::scalar));
   CHECK_FALSE(gradavg::force_simd_level(gradavg::simd_level::neon));
-  for (auto level : runnable_levels()) {
+  for (auto level : runnable_simd_levels()) {
     CHECK(gradavg::force_simd_level(level));
     CHECK(gradavg::simd_level_in_use() == level);
   }

@@ -20,7 +20,6 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <string_view>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -41,7 +40,7 @@ enum class simd_level : int {
   avx512_bf16 = 5,  ///< the same with AVX-512 BF16 (its bfloat16 conversion: the same bits, faster)
 };
 
-/// "scalar", "neon", "sse2", "avx2" or "avx512".
+/// "scalar", "neon", "sse2", "avx2", "avx512" or "avx512_bf16".
 constexpr std::string_view to_string(simd_level level) noexcept {
   switch (level) {
     case simd_level::scalar: return "scalar";
@@ -81,8 +80,8 @@ inline simd_level detect_cpu_simd_level() noexcept {
 
 }  // namespace simd_detail
 
-/// The widest level this CPU runs (x86-64: sse2, avx2 or avx512, detected once per process;
-/// scalar on other targets, whose level is fixed at compile time).
+/// The widest level this CPU runs (x86-64: sse2, avx2, avx512 or avx512_bf16, detected once per
+/// process; scalar on other targets, whose level is fixed at compile time).
 inline simd_level cpu_simd_level() noexcept {
   static const simd_level level = simd_detail::detect_cpu_simd_level();
   return level;
@@ -131,8 +130,8 @@ inline int requested_simd_level() noexcept {
 }  // namespace simd_detail
 
 /// Runs every later call at `level` (program-wide, from any thread): false, and nothing changed,
-/// where this CPU cannot run it or it is not an x86-64 level (sse2, avx2, avx512, avx512_bf16). A translation
-/// unit compiled for a higher level than `level` (its -march) runs its lowest one.
+/// where this CPU cannot run it or it is not an x86-64 level (sse2, avx2, avx512, avx512_bf16).
+/// A translation unit compiled for a higher level than `level` (its -march) runs its lowest one.
 inline bool force_simd_level(simd_level level) noexcept {
   if (level < simd_level::sse2 || level > cpu_simd_level()) return false;
   simd_detail::selected_simd_level().store(static_cast<int>(level), std::memory_order_relaxed);
