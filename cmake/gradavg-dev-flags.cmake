@@ -60,14 +60,10 @@ target_compile_definitions(gradavg_dev_kernels PUBLIC GRADAVG_EXTERN_KERNELS)
 
 # What GRADAVG_NATIVE compiles for on this machine: _gradavg_native_avx512, AVX-512 with GCC (the
 # only case that needs gradavg_suppress_eigen_avx512_warnings); _gradavg_native_v4, every
-# x86-64-v4 feature; _gradavg_native_bf16, those and AVX-512 BF16; _gradavg_native_v3, AVX2, FMA
-# and F16C without AVX-512: the same kernel and Eigen packet paths as -march=x86-64-v3 (gradavg
-# and Eigen choose their paths by __AVX2__, __FMA__, __F16C__ and the __AVX512*__ macros). The
-# tests' instruction-set matrix skips its repeat of the level that the native build already is.
+# x86-64-v4 feature (the tests' instruction-set matrix then skips its AVX-512 build of the Eigen
+# tests: the native one is that build).
 set(_gradavg_native_avx512 OFF)
 set(_gradavg_native_v4 OFF)
-set(_gradavg_native_bf16 OFF)
-set(_gradavg_native_v3 OFF)
 if(GRADAVG_NATIVE)
   include(CheckCXXSourceCompiles)
   set(CMAKE_REQUIRED_FLAGS -march=native)
@@ -81,15 +77,6 @@ if(GRADAVG_NATIVE)
     "#if !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512CD__) && defined(__AVX512DQ__) && defined(__AVX512VL__))\n#error not x86-64-v4\n#endif\nint main() { return 0; }"
     GRADAVG_NATIVE_HAS_X86_64_V4)
   set(_gradavg_native_v4 ${GRADAVG_NATIVE_HAS_X86_64_V4})
-  check_cxx_source_compiles("#ifndef __AVX512BF16__\n#error no AVX-512 BF16\n#endif\nint main() { return 0; }"
-                            GRADAVG_NATIVE_HAS_AVX512BF16)
-  if(_gradavg_native_v4 AND GRADAVG_NATIVE_HAS_AVX512BF16)
-    set(_gradavg_native_bf16 ON)
-  endif()
-  check_cxx_source_compiles(
-    "#if !(defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(__AVX512F__)\n#error not x86-64-v3 paths\n#endif\nint main() { return 0; }"
-    GRADAVG_NATIVE_IS_X86_64_V3_PATHS)
-  set(_gradavg_native_v3 ${GRADAVG_NATIVE_IS_X86_64_V3_PATHS})
   unset(CMAKE_REQUIRED_FLAGS)
   unset(CMAKE_REQUIRED_QUIET)
 endif()
@@ -105,9 +92,10 @@ endif()
 # (those that instantiate Eigen's gemm or reductions), and only when they are compiled with
 # -march=native on a machine with AVX-512. It cannot hide a warning in gradavg's own code: every
 # gradavg header is also compiled with the full warning set and -Werror, with no suppression,
-# by the tests at SSE2, AVX2 and AVX-512 (the ISA matrix in tests/) and by the Clang build; and
-# scripts/test.sh builds the suppressed sources themselves with -Werror and no suppression at
-# SSE2 (the ASan+UBSan stage) and with Clang at the machine's level (the clang stage).
+# by the tests built without -march (every level of the run-time dispatch, tests/) and by the
+# Clang build; and scripts/test.sh builds the suppressed sources themselves with -Werror and no
+# suppression at SSE2 (the ASan+UBSan stage) and with Clang at the machine's level (the clang
+# stage).
 function(gradavg_suppress_eigen_avx512_warnings)
   if(_gradavg_native_avx512 AND CMAKE_CXX_COMPILER_VERSION VERSION_LESS 13)
     set_property(SOURCE ${ARGN} DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR} APPEND

@@ -3,9 +3,10 @@
 # and how long it took, and a summary of the times comes at the end:
 #   deps      installs what is missing (scripts/install-deps.sh)
 #   werror    GCC, -march=native, -Wall -Wextra -Wpedantic -Werror: tests, examples, benchmarks;
-#             with the instruction-set matrix (kernel tests at SSE2, AVX2 and AVX-512, the Eigen
-#             tests at AVX-512 unless -march=native is, each skipped where this machine lacks the
-#             level) and the MPI tests (gradavg::mpi
+#             with the instruction-set matrix (the kernel tests built once without -march and
+#             run at SSE2, AVX2, AVX-512 and AVX-512 BF16, the Eigen tests at AVX-512 unless
+#             -march=native is, each skipped where this machine lacks the level) and the MPI
+#             tests (gradavg::mpi
 #             under mpiexec with 2, 3 and 4 ranks, train_mpi with 2); the other stages build
 #             without MPI (-DGRADAVG_MPI=OFF: Open MPI's own allocations would fail LeakSanitizer,
 #             and the cross build has no aarch64 MPI); the libtorch test,

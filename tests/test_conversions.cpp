@@ -1,7 +1,9 @@
 // The conversions between the accumulator and the storage types (detail/packet_level.hpp), at
-// the level this unit's flags imply (detail::unit_level; the instruction-set matrix builds it per
-// level), on every path it takes (intrinsics where the ISA level has them, Eigen's scalar conversions
-// elsewhere), against Eigen's scalar conversions: round to nearest even, exact widening.
+// every level this unit compiles that the CPU runs (built without instruction-set flags on
+// x86-64: SSE2, AVX2, AVX-512 and AVX-512 BF16; NEON or the scalar path elsewhere), each level's
+// functions called directly, on every path they take (intrinsics where the level has them,
+// Eigen's scalar conversions elsewhere), against Eigen's scalar conversions: round to nearest
+// even, exact widening.
 #include <gradavg/gradavg.hpp>
 
 #include <bit>
@@ -12,16 +14,12 @@
 #include <iterator>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "catch.hpp"
 
 namespace {
-
-using gradavg::detail::unit_level::packet_ops;
-using gradavg::detail::unit_level::storage_ops;
-
-constexpr std::size_t width = packet_ops<float>::width;
 
 std::uint16_t bits_of(Eigen::half h) { return Eigen::numext::bit_cast<std::uint16_t>(h); }
 std::uint16_t bits_of(Eigen::bfloat16 b) { return Eigen::numext::bit_cast<std::uint16_t>(b); }
@@ -39,148 +37,129 @@ std::vector<float> sample_floats() {
   std::mt19937 rng(7);
   std::uniform_int_distribution<std::uint32_t> bits;
   for (int i = 0; i < 200000; ++i) v.push_back(std::bit_cast<float>(bits(rng)));
-  while (v.size() % width != 0) v.push_back(1.f);
+  while (v.size() % 16 != 0) v.push_back(1.f);  // whole packets at every level
   return v;
 }
 
-template <class S>
-void check_narrowing(const std::vector<float>& values) {
-  std::size_t mismatches = 0;
-  for (std::size_t i = 0; i < values.size(); i += width) {
-    alignas(64) S out[width];
-    storage_ops<S, float>::store(out, packet_ops<float>::load(values.data() + i));
-    for (std::size_t l = 0; l < width; ++l) {
-      const float f = values[i + l];
-      const S expected(f);
-      const bool ok = f != f ? Eigen::numext::isnan(out[l]) : bits_of(out[l]) == bits_of(expected);
-      if (!ok && mismatches++ < 5) {
-        INFO("float " << f << " (bits " << std::bit_cast<std::uint32_t>(f) << "): got " << bits_of(out[l])
-                      << ", nearest even is " << bits_of(expected));
-        CHECK(ok);
-      }
-    }
-  }
-  CHECK(mismatches == 0);
-}
+}  // namespace
 
-template <class S>
-void check_widening() {
-  // Every 16-bit pattern, widened exactly.
-  std::vector<S> all(65536);
-  for (std::uint32_t b = 0; b < 65536; ++b)
-    all[b] = Eigen::numext::bit_cast<S>(static_cast<std::uint16_t>(b));
-  std::size_t mismatches = 0;
-  for (std::size_t i = 0; i < all.size(); i += width) {
-    alignas(64) float out[width];
-    packet_ops<float>::store(out, storage_ops<S, float>::load(all.data() + i));
-    for (std::size_t l = 0; l < width; ++l) {
-      const float expected = static_cast<float>(all[i + l]);
-      const bool ok = expected != expected ? out[l] != out[l]
-                                           : std::bit_cast<std::uint32_t>(out[l]) == std::bit_cast<std::uint32_t>(expected);
-      mismatches += ok ? 0 : 1;
-    }
-  }
-  CHECK(mismatches == 0);
-}
+// Each level's checks, compiled as the kernel's level is (detail/kernel.hpp).
+namespace {
+#if defined(GRADAVG_HAS_SSE2_LEVEL_)
+#define GRADAVG_TEST_LEVEL_NS_ sse2
+#include "conversion_checks.inc"
+#undef GRADAVG_TEST_LEVEL_NS_
+#endif
+#if defined(GRADAVG_HAS_AVX2_LEVEL_)
+#define GRADAVG_TEST_LEVEL_NS_ avx2
+#if GRADAVG_UNIT_LEVEL_ < 3
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX2_TARGET_)
+#endif
+#include "conversion_checks.inc"
+#if GRADAVG_UNIT_LEVEL_ < 3
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_TEST_LEVEL_NS_
+#endif
+#if defined(GRADAVG_HAS_AVX512_LEVEL_)
+#define GRADAVG_TEST_LEVEL_NS_ avx512
+#if GRADAVG_UNIT_LEVEL_ < 4
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_TARGET_)
+#endif
+#include "conversion_checks.inc"
+#if GRADAVG_UNIT_LEVEL_ < 4
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_TEST_LEVEL_NS_
+#endif
+#if defined(GRADAVG_HAS_AVX512_BF16_LEVEL_)
+#define GRADAVG_TEST_LEVEL_NS_ avx512_bf16
+#if GRADAVG_UNIT_LEVEL_ < 5
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_BF16_TARGET_)
+#endif
+#include "conversion_checks.inc"
+#if GRADAVG_UNIT_LEVEL_ < 5
+GRADAVG_TARGET_POP_
+#endif
+#undef GRADAVG_TEST_LEVEL_NS_
+#endif
+#if defined(GRADAVG_HAS_GENERIC_LEVEL_)
+#define GRADAVG_TEST_LEVEL_NS_ generic
+#include "conversion_checks.inc"
+#undef GRADAVG_TEST_LEVEL_NS_
+#endif
 
-/// A step's stores (store_step, or stream_step when streaming) of U packets at `offset` elements
-/// past a 64-byte boundary: the same bits as narrowing each element alone, in element order, and
-/// nothing written outside the step.
-template <class S, std::size_t U>
-void check_step_stores(const std::vector<float>& values, std::size_t offset, bool streaming) {
-  constexpr std::size_t n = U * width;
-  constexpr std::uint16_t guard = 0x5a5a;
-  std::size_t mismatches = 0;
-  for (std::size_t i = 0; i + n <= values.size(); i += n) {
-    typename packet_ops<float>::type v[U];
-    for (std::size_t u = 0; u < U; ++u) v[u] = packet_ops<float>::load(values.data() + i + u * width);
-    alignas(64) S buffer[n + 64];
-    for (S& x : buffer) x = Eigen::numext::bit_cast<S>(guard);
-    S* p = buffer + offset;
-    if (streaming) {
-      storage_ops<S, float>::stream_step(p, v);
-      gradavg::detail::streaming_fence();
-    } else {
-      storage_ops<S, float>::store_step(p, v);
-    }
-    for (std::size_t l = 0; l < std::size(buffer); ++l) {
-      const bool inside = l >= offset && l < offset + n;
-      bool ok;
-      if (inside) {
-        const float f = values[i + l - offset];
-        ok = f != f ? Eigen::numext::isnan(buffer[l]) : bits_of(buffer[l]) == bits_of(S(f));
-      } else {
-        ok = bits_of(buffer[l]) == guard;
-      }
-      if (!ok && mismatches++ < 5) {
-        INFO("step element " << static_cast<std::ptrdiff_t>(l) - static_cast<std::ptrdiff_t>(offset) << " of " << n
-                             << ", offset " << offset << (streaming ? ", streaming" : ""));
-        CHECK(ok);
-      }
-    }
-  }
-  CHECK(mismatches == 0);
-}
+/// One level's checks.
+struct level_checks {
+  gradavg::simd_level level;
+  void (*step_stores)(const std::vector<float>&, bool bfloat16);
+  void (*narrowing)(const std::vector<float>&, bool bfloat16);
+  void (*widening)(bool bfloat16);
+  void (*float_double)(const std::vector<float>&);
+};
 
-template <class S>
-void check_step_stores_everywhere(const std::vector<float>& values) {
-  // Offsets of 0 to 33 elements: aligned to 64, 32 and 16 bytes, and to the element only.
-  for (std::size_t offset = 0; offset <= 33; ++offset) {
-    for (bool streaming : {false, true}) {
-      check_step_stores<S, 1>(values, offset, streaming);
-      check_step_stores<S, 2>(values, offset, streaming);
-      check_step_stores<S, 4>(values, offset, streaming);
-    }
-  }
+/// The levels this unit compiles that this CPU runs (at least one: the unit's own).
+std::vector<level_checks> runnable_levels() {
+  using gradavg::simd_level;
+  std::vector<level_checks> all;
+#define GRADAVG_TEST_LEVEL_ENTRY_(ns, level) \
+  all.push_back({level, ns::step_stores, ns::narrowing, ns::widening, ns::float_double})
+#if defined(GRADAVG_HAS_SSE2_LEVEL_)
+  GRADAVG_TEST_LEVEL_ENTRY_(sse2, simd_level::sse2);
+#endif
+#if defined(GRADAVG_HAS_AVX2_LEVEL_)
+  GRADAVG_TEST_LEVEL_ENTRY_(avx2, simd_level::avx2);
+#endif
+#if defined(GRADAVG_HAS_AVX512_LEVEL_)
+  GRADAVG_TEST_LEVEL_ENTRY_(avx512, simd_level::avx512);
+#endif
+#if defined(GRADAVG_HAS_AVX512_BF16_LEVEL_)
+  GRADAVG_TEST_LEVEL_ENTRY_(avx512_bf16, simd_level::avx512_bf16);
+#endif
+#if defined(GRADAVG_HAS_GENERIC_LEVEL_)
+  GRADAVG_TEST_LEVEL_ENTRY_(generic, static_cast<simd_level>(GRADAVG_UNIT_LEVEL_));
+#endif
+#undef GRADAVG_TEST_LEVEL_ENTRY_
+  std::vector<level_checks> runnable;
+  for (const auto& checks : all)
+    if (checks.level <= gradavg::cpu_simd_level()) runnable.push_back(checks);
+  REQUIRE(!runnable.empty());
+  return runnable;
 }
 
 }  // namespace
 
 TEST_CASE("a step's 16-bit stores, ordinary or streaming, round each element alike at any alignment") {
-  INFO("SIMD level " << gradavg::isa_namespace);
   auto values = sample_floats();
   values.resize(4096 + 1024);  // the special values and enough random patterns; a multiple of 4 packets
-  SECTION("half") { check_step_stores_everywhere<Eigen::half>(values); }
-  SECTION("bfloat16") { check_step_stores_everywhere<Eigen::bfloat16>(values); }
+  for (const auto& checks : runnable_levels()) {
+    INFO("SIMD level " << gradavg::to_string(checks.level));
+    SECTION("half " + std::string(gradavg::to_string(checks.level))) { checks.step_stores(values, false); }
+    SECTION("bfloat16 " + std::string(gradavg::to_string(checks.level))) { checks.step_stores(values, true); }
+  }
 }
 
-TEST_CASE("float to 16-bit rounds to nearest even on this build's path, NaN stays NaN") {
-  INFO("SIMD level " << gradavg::isa_namespace);
+TEST_CASE("float to 16-bit rounds to nearest even on every level's path, NaN stays NaN") {
   const auto values = sample_floats();
-  SECTION("half") { check_narrowing<Eigen::half>(values); }
-  SECTION("bfloat16") { check_narrowing<Eigen::bfloat16>(values); }
+  for (const auto& checks : runnable_levels()) {
+    INFO("SIMD level " << gradavg::to_string(checks.level));
+    SECTION("half " + std::string(gradavg::to_string(checks.level))) { checks.narrowing(values, false); }
+    SECTION("bfloat16 " + std::string(gradavg::to_string(checks.level))) { checks.narrowing(values, true); }
+  }
 }
 
 TEST_CASE("16-bit to float widens every bit pattern exactly") {
-  INFO("SIMD level " << gradavg::isa_namespace);
-  SECTION("half") { check_widening<Eigen::half>(); }
-  SECTION("bfloat16") { check_widening<Eigen::bfloat16>(); }
+  for (const auto& checks : runnable_levels()) {
+    INFO("SIMD level " << gradavg::to_string(checks.level));
+    SECTION("half " + std::string(gradavg::to_string(checks.level))) { checks.widening(false); }
+    SECTION("bfloat16 " + std::string(gradavg::to_string(checks.level))) { checks.widening(true); }
+  }
 }
 
 TEST_CASE("float to double and back: exact widening, narrowing to nearest even") {
-  using wide = storage_ops<float, double>;
-  constexpr std::size_t n = packet_ops<double>::width;
   const auto values = sample_floats();
-  std::size_t mismatches = 0;
-  for (std::size_t i = 0; i + n <= values.size(); i += n) {
-    alignas(64) double widened[n];
-    packet_ops<double>::store(widened, wide::load(values.data() + i));
-    for (std::size_t l = 0; l < n; ++l) {
-      const float f = values[i + l];
-      mismatches += (f != f ? widened[l] == widened[l] : widened[l] != static_cast<double>(f)) ? 1 : 0;
-    }
-    // Narrow values between floats: each double rounds to the nearest float, ties to even.
-    alignas(64) double between[n];
-    for (std::size_t l = 0; l < n; ++l) between[l] = widened[l] * (1.0 + std::ldexp(1.0, -30));
-    alignas(64) float narrowed[n];
-    wide::store(narrowed, packet_ops<double>::load(between));
-    for (std::size_t l = 0; l < n; ++l) {
-      const float expected = static_cast<float>(between[l]);
-      mismatches += (expected != expected ? narrowed[l] == narrowed[l]
-                                          : std::bit_cast<std::uint32_t>(narrowed[l]) != std::bit_cast<std::uint32_t>(expected))
-                        ? 1
-                        : 0;
-    }
+  for (const auto& checks : runnable_levels()) {
+    INFO("SIMD level " << gradavg::to_string(checks.level));
+    checks.float_double(values);
   }
-  CHECK(mismatches == 0);
 }

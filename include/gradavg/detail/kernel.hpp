@@ -235,8 +235,14 @@ GRADAVG_END_ISA_NAMESPACE
 #define GRADAVG_TARGET_POP_ _Pragma("GCC pop_options")
 #endif
 
+// GRADAVG_HAS_<LEVEL>_LEVEL_: the levels this unit compiles; GRADAVG_<LEVEL>_TARGET_: the target
+// features of each level's region (where the unit's flags do not imply them already).
+#define GRADAVG_AVX2_TARGET_ "avx2,f16c"
+#define GRADAVG_AVX512_TARGET_ "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c"
+#define GRADAVG_AVX512_BF16_TARGET_ "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c"
 #if GRADAVG_UNIT_LEVEL_ >= 2
 #if GRADAVG_UNIT_LEVEL_ <= 2
+#define GRADAVG_HAS_SSE2_LEVEL_ 1
 #define GRADAVG_LEVEL_NS_ sse2
 #define GRADAVG_LEVEL_SSE2_ 1
 #include "packet_level.hpp"
@@ -245,10 +251,11 @@ GRADAVG_END_ISA_NAMESPACE
 #undef GRADAVG_LEVEL_NS_
 #endif
 #if GRADAVG_UNIT_LEVEL_ <= 3 && GRADAVG_TOP_LEVEL_ >= 3
+#define GRADAVG_HAS_AVX2_LEVEL_ 1
 #define GRADAVG_LEVEL_NS_ avx2
 #define GRADAVG_LEVEL_AVX2_ 1
 #if GRADAVG_UNIT_LEVEL_ < 3
-GRADAVG_TARGET_PUSH_("avx2,f16c")
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX2_TARGET_)
 #endif
 #include "packet_level.hpp"
 #include "kernel_level.hpp"
@@ -259,10 +266,11 @@ GRADAVG_TARGET_POP_
 #undef GRADAVG_LEVEL_NS_
 #endif
 #if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 4
+#define GRADAVG_HAS_AVX512_LEVEL_ 1
 #define GRADAVG_LEVEL_NS_ avx512
 #define GRADAVG_LEVEL_AVX512_ 1
 #if GRADAVG_UNIT_LEVEL_ < 4
-GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c")
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_TARGET_)
 #endif
 #include "packet_level.hpp"
 #include "kernel_level.hpp"
@@ -275,11 +283,12 @@ GRADAVG_TARGET_POP_
 // AVX-512 with BF16: only bfloat16 outputs take other instructions (the conversion), so a unit
 // that also compiles the plain AVX-512 level instantiates this one for them alone (reduce_range).
 #if GRADAVG_TOP_LEVEL_ >= 5
+#define GRADAVG_HAS_AVX512_BF16_LEVEL_ 1
 #define GRADAVG_LEVEL_NS_ avx512_bf16
 #define GRADAVG_LEVEL_AVX512_ 1
 #define GRADAVG_LEVEL_BF16_ 1
 #if GRADAVG_UNIT_LEVEL_ < 5
-GRADAVG_TARGET_PUSH_("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c")
+GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_BF16_TARGET_)
 #endif
 #include "packet_level.hpp"
 #include "kernel_level.hpp"
@@ -291,6 +300,7 @@ GRADAVG_TARGET_POP_
 #undef GRADAVG_LEVEL_NS_
 #endif
 #else
+#define GRADAVG_HAS_GENERIC_LEVEL_ 1
 #define GRADAVG_LEVEL_NS_ generic
 #define GRADAVG_LEVEL_GENERIC_ 1
 #include "packet_level.hpp"
