@@ -37,15 +37,6 @@
 #include "tensor.hpp"
 
 namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
-
-/// A range of towers, each a range of (gradient, variable) entries that gradavg can read.
-template <class TG>
-concept tower_gradients =
-    std::ranges::random_access_range<const TG> && std::ranges::sized_range<const TG> &&
-    std::ranges::random_access_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
-    std::ranges::sized_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
-    detail::slot<detail::gradient_slot_t<TG>> && tensor<detail::gradient_tensor_t<TG>>;
 
 /// A variable whose gradient was absent on every tower.
 template <class Variable>
@@ -67,6 +58,16 @@ struct averaged_gradients {
   /// Counts, non-finite report and fused statistics, as average_gradients_into returns them.
   summary report;
 };
+
+GRADAVG_BEGIN_ISA_NAMESPACE
+
+/// A range of towers, each a range of (gradient, variable) entries that gradavg can read.
+template <class TG>
+concept tower_gradients =
+    std::ranges::random_access_range<const TG> && std::ranges::sized_range<const TG> &&
+    std::ranges::random_access_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
+    std::ranges::sized_range<std::remove_reference_t<detail::tower_ref_t<TG>>> &&
+    detail::slot<detail::gradient_slot_t<TG>> && tensor<detail::gradient_tensor_t<TG>>;
 
 namespace detail {
 

@@ -35,8 +35,15 @@
 #include "detail/isa.hpp"
 #include "tensor.hpp"
 
+// The entry vocabulary, shared by every instruction-set level (detail/isa.hpp).
 namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
+
+namespace entry_detail {
+
+template <class V>
+concept printable = requires(std::ostream& os, const V& v) { os << v; };
+
+}  // namespace entry_detail
 
 /// A named (gradient, variable) entry; std::pair works just as well.
 template <class Gradient, class Variable>
@@ -61,6 +68,48 @@ struct entry_traits {
       return std::get<1>(e);
   }
 };
+
+/// How variables are compared across towers and shown in messages. Specialise for your
+/// variable type; a missing same() turns the cross-tower check off for that type.
+template <class V>
+struct variable_traits {
+  static bool same(const V& a, const V& b)
+    requires std::equality_comparable<V>
+  {
+    if constexpr (std::is_same_v<std::remove_cv_t<V>, const char*> || std::is_same_v<std::remove_cv_t<V>, char*>)
+      return a == b || (a != nullptr && b != nullptr && std::strcmp(a, b) == 0);
+    else
+      return a == b;
+  }
+
+  /// Prints v, or nothing when it cannot be printed (messages then name the position only).
+  /// Pointers print what they point to when that is printable, else the address.
+  static void print(std::ostream& os, const V& v) {
+    if constexpr (std::is_pointer_v<V>) {
+      using pointee = std::remove_cv_t<std::remove_pointer_t<V>>;
+      if constexpr (std::is_function_v<pointee>) {
+        return;
+      } else {
+        if (v == nullptr)
+          os << "null";
+        else if constexpr (std::is_same_v<pointee, char>)
+          os << v;
+        else if constexpr (!std::is_void_v<pointee> && entry_detail::printable<pointee>)
+          os << *v;
+        else
+          os << static_cast<const void*>(v);
+      }
+    } else if constexpr (entry_detail::printable<V>) {
+      os << v;
+    }
+  }
+};
+
+}  // namespace gradavg
+
+// How the library reads slots: per level, with the library's internals.
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
@@ -128,49 +177,6 @@ constexpr decltype(auto) slot_get(S& s) noexcept {
 
 template <slot S>
 using slot_tensor_t = std::remove_cvref_t<decltype(slot_get(std::declval<const S&>()))>;
-
-template <class V>
-concept printable = requires(std::ostream& os, const V& v) { os << v; };
-
-}  // namespace detail
-
-/// How variables are compared across towers and shown in messages. Specialise for your
-/// variable type; a missing same() turns the cross-tower check off for that type.
-template <class V>
-struct variable_traits {
-  static bool same(const V& a, const V& b)
-    requires std::equality_comparable<V>
-  {
-    if constexpr (std::is_same_v<std::remove_cv_t<V>, const char*> || std::is_same_v<std::remove_cv_t<V>, char*>)
-      return a == b || (a != nullptr && b != nullptr && std::strcmp(a, b) == 0);
-    else
-      return a == b;
-  }
-
-  /// Prints v, or nothing when it cannot be printed (messages then name the position only).
-  /// Pointers print what they point to when that is printable, else the address.
-  static void print(std::ostream& os, const V& v) {
-    if constexpr (std::is_pointer_v<V>) {
-      using pointee = std::remove_cv_t<std::remove_pointer_t<V>>;
-      if constexpr (std::is_function_v<pointee>) {
-        return;
-      } else {
-        if (v == nullptr)
-          os << "null";
-        else if constexpr (std::is_same_v<pointee, char>)
-          os << v;
-        else if constexpr (!std::is_void_v<pointee> && detail::printable<pointee>)
-          os << *v;
-        else
-          os << static_cast<const void*>(v);
-      }
-    } else if constexpr (detail::printable<V>) {
-      os << v;
-    }
-  }
-};
-
-namespace detail {
 
 template <class V>
 concept comparable_variable = requires(const V& a, const V& b) {

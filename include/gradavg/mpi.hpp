@@ -102,8 +102,10 @@ class mpi_error : public error {
   using error::error;
 };
 
-GRADAVG_BEGIN_ISA_NAMESPACE
 namespace mpi {
+
+// The vocabulary (options, workspace) is shared by every instruction-set level; the functions
+// live in the level's inline namespace (detail/isa.hpp).
 
 /// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums) when
 /// options.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB, or
@@ -127,19 +129,12 @@ enum class exchange_method : unsigned char {
   point_to_point,
 };
 
-namespace mpi_detail {
-template <class, class, class, class, class>
-struct call;
-}  // namespace mpi_detail
+class workspace;
 
-/// Buffers reused from call to call (no allocation once they have grown to a layout's size).
-class workspace {
- public:
-  workspace() = default;
+namespace workspace_detail {
 
- private:
-  template <class, class, class, class, class>
-  friend struct mpi_detail::call;
+/// What a workspace keeps: the calls' tables and fusion buffers.
+struct buffers {
   std::vector<std::byte> buffers;
   std::vector<std::uint64_t> words;
   std::vector<MPI_Request> requests;
@@ -148,6 +143,25 @@ class workspace {
   std::vector<void*> outputs;
   std::vector<double> sums;
 };
+
+/// The calls' way in (every level's).
+struct access {
+  static buffers& of(workspace& w) noexcept;
+};
+
+}  // namespace workspace_detail
+
+/// Buffers reused from call to call (no allocation once they have grown to a layout's size).
+class workspace {
+ public:
+  workspace() = default;
+
+ private:
+  friend struct workspace_detail::access;
+  workspace_detail::buffers held;
+};
+
+inline workspace_detail::buffers& workspace_detail::access::of(workspace& w) noexcept { return w.held; }
 
 /// options plus what only the process-parallel call needs. Every rank passes the same values
 /// (except weights, one per local tower).
@@ -160,6 +174,8 @@ struct options : gradavg::options {
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };
+
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 namespace mpi_detail {
 
@@ -353,7 +369,7 @@ struct call {
   Means& means;
   Squares* squares;
   const mpi::options& opts;
-  workspace& work;
+  workspace_detail::buffers& work;
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
   // The first MPI call of the data path that returned an error: thrown after the last collective
@@ -1107,7 +1123,7 @@ template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                            std::exception_ptr prior) {
   workspace own;
-  workspace& work = opts.work ? *opts.work : own;
+  workspace_detail::buffers& work = workspace_detail::access::of(opts.work ? *opts.work : own);
   return call<TG, Means, Squares, S, O>{comm, tg, means, squares, opts, work}(prior);
 }
 
@@ -1220,6 +1236,6 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
   return result;
 }
 
-}  // namespace mpi
 GRADAVG_END_ISA_NAMESPACE
+}  // namespace mpi
 }  // namespace gradavg

@@ -66,8 +66,9 @@
 #include "detail/isa.hpp"
 #include "errors.hpp"
 
+// The vocabulary of gradavg, shared by every instruction-set level (detail/isa.hpp): no element
+// arithmetic, only shapes and element pointers.
 namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// Order in which a multi-dimensional tensor lays out its elements.
 enum class storage_order : std::uint8_t { row_major, col_major };
@@ -260,5 +261,4 @@ struct tensor_traits<std::array<V, N>> {
   static result_type make(const gradavg::shape&) noexcept { return result_type{}; }
 };
 
-GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

@@ -57,8 +57,8 @@
 #include "statistics.hpp"
 #include "tensor.hpp"
 
+// The tensor and variable traits of at::Tensor: the vocabulary, shared by every level.
 namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
 
 namespace torch_detail {
 
@@ -163,6 +163,7 @@ struct variable_traits<at::Tensor> {
   }
 };
 
+GRADAVG_BEGIN_ISA_NAMESPACE
 namespace libtorch {
 
 /// How the module helpers treat parameters, besides gradavg::options.

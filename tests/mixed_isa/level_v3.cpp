@@ -4,3 +4,7 @@
 mixed_isa::level_result mixed_isa::average_v3(const float* const* tower_data, float* mean, float* square) {
   return average_here(tower_data, mean, square);
 }
+
+gradavg::shape mixed_isa::matrix_shape_v3(std::int64_t rows, std::int64_t cols) {
+  return gradavg::shape::matrix(rows, cols, gradavg::storage_order::col_major);
+}

@@ -2,8 +2,8 @@
 // gradavg function in one program. Each must run its own level's code: distinct instantiations
 // (the inline namespace per level keeps the linker from merging them), and both give the same
 // bits: squares rounded before they are added (no fused multiply-add, though the v3 unit has
-// FMA), bit for bit against a reference computed here. Exit 77 (skipped) where the host lacks
-// AVX2 or FMA.
+// FMA), bit for bit against a reference computed here; and the vocabulary (gradavg::shape) is one
+// type for both. Exit 77 (skipped) where the host lacks AVX2 or FMA.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -70,6 +70,10 @@ int main() {
   check(same_bits(mean_a, mean) && same_bits(mean_b, mean), "both means equal the tower-order sum / T");
   check(same_bits(square_a, unfused), "the baseline unit's squares are rounded before they are added");
   check(same_bits(square_b, unfused), "the v3 unit's squares too: the same bits as the baseline unit's");
+
+  const gradavg::shape s = matrix_shape_v3(3, 5);
+  check(s.rank == 2 && s.dims[0] == 3 && s.dims[1] == 5 && s.order == gradavg::storage_order::col_major,
+        "a shape made in the v3 unit reaches the baseline unit: one vocabulary type for every level");
 
   std::printf("%d passed, %d failed\n", passes, failures);
   return failures == 0 ? 0 : 1;
