@@ -289,6 +289,37 @@ TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for b
     if (tower_count > 1) CHECK_FALSE(gradavg_test::same_bits(fused_square.data(), want_square.data(), n));
   }
 
+  SECTION("zeros of one sign on every tower keep it, in register groups and the accumulator block") {
+    const std::size_t tower_count = GENERATE(2, 16, 17, 33);
+    const bool weighted = GENERATE(false, true);
+    INFO("towers " << tower_count << (weighted ? ", weighted" : ""));
+    std::vector<std::vector<S>> data;
+    std::vector<std::vector<std::pair<std::span<const S>, int>>> tg(tower_count);
+    std::vector<double> weights(tower_count, weighted ? 1.5 : 1.0);
+    for (std::size_t k = 0; k < tower_count; ++k) {
+      std::vector<S> v = gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(500 + k));
+      for (std::size_t j = 0; j < n; ++j) {
+        if (j % 3 == 0) v[j] = -S(0);  // -0 on every tower: the sum is -0
+        if (j % 3 == 1) v[j] = S(0);
+      }
+      data.push_back(std::move(v));
+    }
+    for (std::size_t k = 0; k < tower_count; ++k) tg[k].push_back({std::span<const S>(data[k]), 0});
+    std::vector<S> want(n);
+    for (std::size_t j = 0; j < n; ++j) {
+      S sum = rounded(data[0][j] * static_cast<S>(weights[0]));
+      for (std::size_t k = 1; k < tower_count; ++k) sum = rounded(data[k][j] * static_cast<S>(weights[k])) + sum;
+      want[j] = sum / static_cast<S>(weights[0] * static_cast<double>(tower_count));
+    }
+    for (std::size_t j = 0; j < n; j += 3) REQUIRE(std::signbit(want[j]));
+    std::vector<std::vector<S>> mean{std::vector<S>(n)}, square{std::vector<S>(n)};
+    if (weighted)
+      gradavg::average_gradients_into(tg, mean, square, {.weights = weights, .statistics = true});
+    else
+      gradavg::average_gradients_into(tg, mean, square);
+    CHECK(gradavg_test::same_bits(mean[0].data(), want.data(), n));
+  }
+
   SECTION("weighted mean, weight sums at and around the exact cases") {
     // Weight sums: powers of two (2^-20, 4, 2^60, the largest finite one: its reciprocal is
     // subnormal), and ones that are not powers of two.

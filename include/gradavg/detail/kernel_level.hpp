@@ -383,8 +383,10 @@ struct variable_pass {
   }
 };
 
-/// More than group_towers towers: group by group through the L1 accumulator block. Out of line,
-/// so that its block does not enlarge the stack frame of every call with fewer towers.
+/// More than group_towers towers: group by group through the L1 accumulator block, which starts
+/// at -0.0 (x + -0.0 is x, bit for bit, for every x: the same sums as starting from the first
+/// tower, with one group variant fewer to compile). Out of line, so that its block does not
+/// enlarge the stack frame of every call with fewer towers.
 template <class S, class Acc, class O, bool Fused, bool WithSquare>
 [[gnu::noinline]] void reduce_blocks(variable_pass<S, Acc, Fused>& v, const tower_reader<S>& tower_data,
                                      std::size_t tower_count, std::size_t begin, std::size_t end, O* mean, O* square,
@@ -393,18 +395,20 @@ template <class S, class Acc, class O, bool Fused, bool WithSquare>
   constexpr std::size_t B = block_elements<Acc>;
   alignas(64) Acc acc[B];
   alignas(64) Acc sq[WithSquare ? B : 1];
+  using ops = packet_ops<Acc>;
+  const auto negative_zero = ops::broadcast(Acc(-0.0));
   for (std::size_t block = begin; block < end; block += B) {
     const std::size_t len = std::min(B, end - block);
+    for (std::size_t j = 0; j < len; j += ops::width) {  // B is whole packets
+      ops::store(acc + j, negative_zero);
+      if constexpr (WithSquare) ops::store(sq + j, negative_zero);
+    }
     for (std::size_t first = 0; first < tower_count; first += group_towers) {
       const std::size_t count = std::min(group_towers, tower_count - first);
       v.load(tower_data, first, count, block, fused);
       O* m = mean + block;
       O* q = square ? square + block : nullptr;
-      if (first == 0)
-        group_pass<S, Acc, O, Fused, WithSquare, false, false>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
-      else if (first + count < tower_count)
+      if (first + count < tower_count)
         group_pass<S, Acc, O, Fused, WithSquare, true, false>{
             v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
             .run(len);
