@@ -1,0 +1,202 @@
+// gradavg internals: what every rank of a gradavg::mpi call shares before its data path — MPI
+// error checks, the communicator's checks, the fingerprints and header words agreed on, and the
+// words of the errors that name ranks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "../average.hpp"
+#include "../mpi_options.hpp"
+
+namespace gradavg {
+namespace mpi {
+GRADAVG_BEGIN_ISA_NAMESPACE
+
+namespace mpi_detail {
+
+using gradavg::detail::describe_shape;
+using gradavg::detail::describe_towers;
+using gradavg::detail::describe_variable_at;
+
+/// Throws mpi_error naming the MPI function and MPI's own words for the code, unless rc is
+/// MPI_SUCCESS.
+inline void check(int rc, const char* function) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
+  throw mpi_error("gradavg::mpi: " + std::string(function) + " returned error " + std::to_string(rc) +
+                  (length > 0 ? " (" + std::string(text, static_cast<std::size_t>(length)) + ")" : std::string()));
+}
+
+/// What can be checked before a collective call: MPI initialised and not finalised, comm neither
+/// MPI_COMM_NULL nor an inter-communicator (mpi_error). Every rank that passes such a comm throws.
+inline void check_communicator(MPI_Comm comm) {
+  int initialized = 0, finalized = 0;
+  check(MPI_Initialized(&initialized), "MPI_Initialized");
+  check(MPI_Finalized(&finalized), "MPI_Finalized");
+  if (!initialized)
+    throw mpi_error("gradavg::mpi: MPI is not initialised; call MPI_Init (or MPI_Init_thread) first");
+  if (finalized) throw mpi_error("gradavg::mpi: MPI is finalised; no MPI call can be made after MPI_Finalize");
+  if (comm == MPI_COMM_NULL) throw mpi_error("gradavg::mpi: the communicator is MPI_COMM_NULL");
+  int inter = 0;
+  check(MPI_Comm_test_inter(comm, &inter), "MPI_Comm_test_inter");
+  if (inter)
+    throw mpi_error("gradavg::mpi: the communicator is an inter-communicator; pass an intra-communicator "
+                    "(MPI_Intercomm_merge makes one)");
+}
+
+inline int comm_rank(MPI_Comm comm) {
+  int r = 0;
+  check(MPI_Comm_rank(comm, &r), "MPI_Comm_rank");
+  return r;
+}
+inline int comm_size(MPI_Comm comm) {
+  int n = 0;
+  check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
+  return n;
+}
+
+/// FNV-1a over bytes, never 0 (0 means "nothing to compare" in the reductions).
+inline std::uint64_t fnv(const void* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) noexcept {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+inline std::uint64_t shape_fingerprint(const shape& s) noexcept {
+  std::uint64_t h = fnv(&s.rank, sizeof s.rank);
+  h = fnv(s.dims.data(), s.rank * sizeof(std::int64_t), h);
+  std::size_t non_trivial = 0;
+  for (std::size_t d = 0; d < s.rank; ++d) non_trivial += s.dims[d] > 1 ? 1 : 0;
+  const int order = non_trivial > 1 && s.order == storage_order::col_major ? 1 : 0;  // as shape's ==
+  h = fnv(&order, sizeof order, h);
+  return h == 0 ? 1 : h;
+}
+
+/// A fingerprint of a variable that means the same in every process: strings and arithmetic
+/// values; 0 (not compared) for other types (pointers and handles differ between processes).
+template <class V>
+std::uint64_t identity_fingerprint(const V& v) noexcept {
+  std::uint64_t h = 0;
+  if constexpr (std::is_same_v<V, std::string> || std::is_same_v<V, std::string_view>) {
+    h = fnv(v.data(), v.size());
+  } else if constexpr (std::is_same_v<std::remove_cv_t<V>, const char*> || std::is_same_v<std::remove_cv_t<V>, char*>) {
+    h = v == nullptr ? 2 : fnv(v, std::strlen(v));
+  } else if constexpr (std::is_arithmetic_v<V>) {
+    h = fnv(&v, sizeof v);
+  }
+  return h == 0 && (std::is_arithmetic_v<V> || std::is_convertible_v<const V&, std::string_view>) ? 1 : h;
+}
+
+/// A nonzero code of element type S (header field h_types).
+template <class S>
+constexpr std::uint64_t type_code() noexcept {
+  return static_cast<std::uint64_t>(gradavg::detail::element_of_type<S>()) + 1;
+}
+
+/// The fixed header every rank contributes to the first collective.
+enum header_field : std::size_t {
+  h_towers,
+  h_variables,
+  h_squares,    // squares outputs passed
+  h_policy,     // on_nonfinite, statistics, accumulate
+  h_range_begin,
+  h_range_end,
+  h_fusion_bytes,
+  h_types,        // gradient and output element types
+  h_weight_sum,   // bits of the double sum of this rank's weights (T when none)
+  h_weighted_towers,  // this rank's towers of positive weight (T when no weights)
+  h_scale,        // bits of the scale
+  h_samples,      // bits of samples_per_tower
+  h_per_variable,  // per_variable passed
+  h_exchange,     // exchange_method
+  header_words
+};
+
+/// Per-variable words of the second collective (MPI_MAX): a value and its complement give the
+/// maximum and the minimum over ranks.
+enum variable_field : std::size_t { v_state, v_state_min, v_identity, v_identity_min, v_shape, v_shape_min, variable_words };
+
+/// A variable's presence on one rank's towers.
+enum presence : std::uint64_t { absent_everywhere = 0, partial = 1, present_everywhere = 2 };
+
+/// What the third collective (only on a per-variable error) gathers from every rank.
+enum record_field : std::size_t {
+  r_state,
+  r_present,
+  r_towers,
+  r_identity,
+  r_shape,
+  r_rank_dims,  // rank of the shape, then its dimensions, then the order
+  r_missing = r_rank_dims + shape::max_rank + 2,  // the first missing towers
+  r_missing_listed = r_missing + 8,
+  record_words
+};
+
+/// "float16 gradients into float32 outputs", from an h_types field.
+inline std::string types_of(std::uint64_t codes) {
+  auto name = [](std::uint64_t c) { return std::string(element_name(static_cast<element_type>(c - 1))); };
+  return name(codes & 0xff) + " gradients into " + name(codes >> 8) + " outputs";
+}
+
+/// The tags of the data path's point-to-point messages on the caller's communicator.
+inline constexpr int exchange_tag = 0x4741;  // contributions to a slice's owner
+inline constexpr int gather_tag = 0x4742;    // summed slices back from their owner
+
+/// "rank 2", "ranks 1, 2 and 5", "ranks 1, 2, ... (40 in all)": at most 16 listed.
+inline std::string rank_list(const std::vector<int>& ranks) {
+  const std::size_t listed = std::min<std::size_t>(ranks.size(), 16);
+  std::vector<std::size_t> r(ranks.begin(), ranks.begin() + static_cast<std::ptrdiff_t>(listed));
+  return std::string(ranks.size() > 1 ? "ranks " : "rank ") + describe_towers(r.data(), r.size(), ranks.size());
+}
+
+/// The ranks that disagree with the most common value, and those that hold it.
+struct rank_split {
+  std::vector<int> odd, common;
+};
+
+/// Splits the ranks r in [0, ranks) with considered(r) by value(r): common holds the value most
+/// ranks hold (on a tie, the lowest such rank's), odd every other. Built only on an error.
+template <class Value, class Considered>
+rank_split split_ranks(int ranks, const Value& value, const Considered& considered) {
+  int best = -1;
+  std::size_t best_count = 0;
+  for (int r = 0; r < ranks; ++r) {
+    if (!considered(r)) continue;
+    std::size_t count = 0;
+    for (int q = 0; q < ranks; ++q) count += considered(q) && value(q) == value(r) ? 1 : 0;
+    if (count > best_count) best = r, best_count = count;
+  }
+  rank_split split;
+  for (int r = 0; r < ranks; ++r)
+    if (considered(r)) (value(r) == value(best) ? split.common : split.odd).push_back(r);
+  return split;
+}
+
+/// "holds" or "hold" after a rank_list of these ranks.
+inline const char* verb_s(const std::vector<int>& ranks, const char* one, const char* many) {
+  return ranks.size() > 1 ? many : one;
+}
+
+inline double bits_to_double(std::uint64_t u) noexcept {
+  double d;
+  std::memcpy(&d, &u, sizeof d);
+  return d;
+}
+inline std::uint64_t double_to_bits(double d) noexcept {
+  std::uint64_t u;
+  std::memcpy(&u, &d, sizeof u);
+  return u;
+}
+
+}  // namespace mpi_detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace mpi
+}  // namespace gradavg

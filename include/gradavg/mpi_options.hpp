@@ -1,0 +1,112 @@
+// gradavg::mpi's vocabulary (included by <gradavg/mpi.hpp>): its exceptions, options, exchange
+// methods and workspace, shared by every instruction-set level.
+#pragma once
+
+// The MPI C API only: without these, Open MPI's and MPICH's <mpi.h> pull in the deprecated C++
+// bindings when compiled as C++, which need a library of their own (target gradavg::mpi defines
+// them too, for units that include <mpi.h> first).
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "errors.hpp"
+#include "options.hpp"
+
+namespace gradavg {
+
+/// Another rank's own validation failed, or its kernel threw (that rank throws the detailed
+/// error); variable_index() is the variable it named, or npos.
+class remote_error : public error {
+  using error::error;
+};
+
+/// MPI cannot take the call (not initialised, finalised, a null or an inter-communicator), or an
+/// MPI call returned an error code (a communicator whose error handler returns them).
+class mpi_error : public error {
+  using error::error;
+};
+
+namespace mpi {
+
+// The vocabulary (options, workspace) is shared by every instruction-set level; the functions
+// live in the level's inline namespace (detail/isa.hpp).
+
+/// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums) when
+/// options.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB, or
+/// 256 KiB per rank where that is more (every rank owns a slice of each bucket: slices of at
+/// least 256 KiB keep a message's latency small against its transfer), at most 16 MiB (Open MPI
+/// 4.1 maps and unmaps temporaries for larger messages). Small buckets stay in cache between the
+/// kernel, the exchange and the unpack (gradavg_bench_mpi measures the choice).
+constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
+  const std::size_t per_rank = (std::size_t{256} << 10) * static_cast<std::size_t>(ranks > 0 ? ranks : 1);
+  return std::min(std::max(std::size_t{1} << 20, per_rank), std::size_t{16} << 20);
+}
+
+/// How the slices of a bucket move between ranks: raw bytes either way (no MPI reduction), so
+/// both give the same bits (docs/mpi.md, "Cost on a link").
+enum class exchange_method : unsigned char {
+  /// MPI_Ialltoallv to the slices' owners, then MPI_Iallgatherv of the summed slices: the MPI
+  /// library schedules the messages.
+  collectives,
+  /// MPI_Isend / MPI_Irecv with every other rank, tags 0x4741 and 0x4742 on comm (code that posts
+  /// MPI_ANY_TAG receives on comm while the call runs must give gradavg a communicator of its own).
+  point_to_point,
+};
+
+class workspace;
+
+namespace workspace_detail {
+
+/// What a workspace keeps: the calls' tables and fusion buffers.
+struct buffers {
+  std::vector<std::byte> buffers;
+  std::vector<std::uint64_t> words;
+  std::vector<MPI_Request> requests;
+  std::vector<int> counts;  // exchange_method::collectives: counts and displacements
+  std::vector<const void*> towers;
+  std::vector<void*> outputs;
+  std::vector<double> sums;
+};
+
+/// The calls' way in (every level's).
+struct access {
+  static buffers& of(workspace& w) noexcept;
+};
+
+}  // namespace workspace_detail
+
+/// Buffers reused from call to call (no allocation once they have grown to a layout's size).
+class workspace {
+ public:
+  workspace() = default;
+
+ private:
+  friend struct workspace_detail::access;
+  workspace_detail::buffers held;
+};
+
+inline workspace_detail::buffers& workspace_detail::access::of(workspace& w) noexcept { return w.held; }
+
+/// options plus what only the process-parallel call needs. Every rank passes the same values
+/// (except weights, one per local tower).
+struct options : gradavg::options {
+  /// Bytes of one bucket's fusion buffer: at least two elements, at most 1 GiB; 0 (the default):
+  /// automatic_fusion_bytes(the communicator's size).
+  std::size_t fusion_bytes = 0;
+  /// How the buckets move between ranks (every rank passes the same).
+  exchange_method exchange = exchange_method::collectives;
+  /// Buffers kept between calls; not owned. Null: the call allocates its own.
+  workspace* work = nullptr;
+};
+
+}  // namespace mpi
+}  // namespace gradavg
