@@ -20,11 +20,6 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-// Shared by every level (layout_cache.hpp).
-using gradavg::layout_detail::byte_range;
-using gradavg::layout_detail::layout_cache_access;
-using gradavg::layout_detail::tagged_range;
-
 /// Throws the aliasing_error for two overlapping buffers, at least one of them an output.
 template <class TG>
 [[noreturn]] void throw_overlap(const TG& tg, tagged_range a, tagged_range b) {

@@ -20,11 +20,6 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-// Shared by every level (layout_cache.hpp).
-using gradavg::layout_detail::byte_range;
-using gradavg::layout_detail::layout_cache_access;
-using gradavg::layout_detail::tagged_range;
-
 /// What validate_into found: the counts, and the layout the kernel may read pointers from.
 struct validated {
   std::size_t variables = 0;
