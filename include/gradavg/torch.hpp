@@ -293,9 +293,7 @@ void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::s
       }
       begin = stop;
     }
-#if defined(__SSE2__)
-    if (stream) _mm_sfence();
-#endif
+    if (stream) gradavg::detail::streaming_fence();
   };
   gradavg::detail::run_chunks(chunks, chunk, opts);
 }

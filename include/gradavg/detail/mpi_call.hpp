@@ -385,6 +385,298 @@ struct call {
   // allocation. Its one source of exceptions, the executor (user code) running the kernel, is
   // answered by zeros in this rank's place and the last collective. ----
 
+  /// One bucket: its flat element range and its buffer's layout.
+  struct bucket_shape {
+    std::size_t begin, end;       // flat
+    std::size_t first_variable;   // the first variable with an element in it
+    std::size_t flags;            // variables with an element in it (detect)
+    std::size_t len;              // Buf elements in the buffer
+  };
+  static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
+
+  /// Set by run(): the global weight sum (the divisor), the fused parameters, the first variable
+  /// shape_of_bucket looks at, and the sums over the finished variables.
+  double weight_sum = 0;
+  bool fused = false;
+  gradavg::detail::fused_params<Buf> params{};
+  std::size_t walk_variable = 0;
+  double everything_mean_squared = 0, everything_mean_of_squares = 0;
+  std::size_t nonfinite_variables = 0;
+
+  bool zero_nonfinite() const noexcept { return opts.on_nonfinite == nonfinite_policy::zero; }
+  std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
+  std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
+  /// options.exchange: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in
+  /// bucket_set::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
+  bool collectives() const noexcept { return opts.exchange == mpi::exchange_method::collectives; }
+  /// prepare()'s table: each variable's element count and first flat element (size_of, offset_of).
+  const std::uint64_t* size_offset() const noexcept {
+    return work.words.data() + ranks * header_words + 2 * variables * variable_words;
+  }
+  std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(size_offset()[2 * i]); }
+  std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(size_offset()[2 * i + 1]); }
+  std::size_t slice_begin(std::size_t len, int r) const noexcept {
+    return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks);
+  }
+  static int bytes_of(std::size_t elements) noexcept { return static_cast<int>(elements * sizeof(Buf)); }
+
+  /// Bucket b (buckets are shaped in order: walk_variable only moves forward).
+  bucket_shape shape_of_bucket(std::size_t b) {
+    bucket_shape sh;
+    sh.begin = range_begin + b * bucket_elements;
+    sh.end = std::min(range_end, sh.begin + bucket_elements);
+    while (walk_variable < variables && offset_of(walk_variable) + size_of(walk_variable) <= sh.begin) ++walk_variable;
+    sh.first_variable = walk_variable;
+    std::size_t v = walk_variable, flags = 0;
+    for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
+    sh.flags = detect() ? flags : 0;
+    const std::size_t elements = sh.end - sh.begin;
+    sh.len = elements * (squares_in_buffer() ? 2 : 1) + sh.flags;
+    return sh;
+  }
+
+  /// Progress of outstanding nonblocking collectives while the kernel runs (MPI libraries
+  /// without a progress thread move data only inside MPI calls).
+  void progress() {
+    for (std::size_t s = 0; s < set_count(); ++s) {
+      int done = 0;
+      if (set[s].pending != 0)
+        note(MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+    }
+  }
+
+  /// Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
+  /// move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
+  void fill_range(const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
+    const std::size_t elements = sh.end - sh.begin;
+    Buf* sums = buffer;
+    Buf* sq = squares_in_buffer() ? buffer + elements : nullptr;
+    Buf* flags = buffer + elements * (squares_in_buffer() ? 2 : 1);
+    const bool prefetch = gradavg::detail::prefetch_pays(elements, towers * sizeof(S) + element_bytes());
+    std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
+    for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
+      const std::size_t size = size_of(i);
+      if (size == 0) continue;
+      if (offset_of(i) + size <= lo) {
+        ++flag;
+        continue;
+      }
+      const std::size_t begin = std::max(offset_of(i), lo) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size, hi) - offset_of(i);
+      bool nonfinite = false;
+      const void* const* tp = work.towers.data() + i * towers;
+      for (std::size_t p = begin; p < end; p += piece_elements) {
+        const std::size_t q = std::min(end, p + piece_elements);
+        const std::size_t at = offset_of(i) + p - sh.begin;
+        const piece_towers from{tp, p};
+        const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
+        const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
+            tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, prefetch, Buf(1),
+            fused ? &params : nullptr);
+        nonfinite = nonfinite || (fused && piece.nonfinite);
+        if (with_progress) progress();
+      }
+      // A variable split between chunks has its flag set by any of them (never cleared).
+      if (detect() && nonfinite) std::atomic_ref<Buf>(flags[flag]).store(Buf(1), std::memory_order_relaxed);
+      ++flag;
+    }
+  }
+
+  /// options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
+  void fill(const bucket_shape& sh, Buf* buffer) {
+    const std::size_t elements = sh.end - sh.begin;
+    std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
+    const std::size_t chunks =
+        gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), opts);
+    if (chunks <= 1) {
+      fill_range(sh, buffer, sh.begin, sh.end, true);
+      return;
+    }
+    auto chunk = [&](std::size_t c) {
+      fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
+    };
+    gradavg::detail::run_chunks(chunks, chunk, opts);
+  }
+
+  /// Waits for the bucket's requests in flight.
+  void wait_all(bucket_set& bs) {
+    if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    bs.pending = 0;
+  }
+
+  /// Sends every other rank its slice of the bucket; receives theirs of this rank's slice.
+  void start_exchange(const bucket_shape& sh, bucket_set& bs) {
+    const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
+    bs.pending = 0;
+    if (collectives()) {
+      // Nothing to or from this rank itself; the others' contributions in rank order in recv.
+      int* send_counts = bs.counts;
+      int* send_displs = bs.counts + ranks;
+      int* recv_counts = bs.counts + 2 * ranks;
+      int* recv_displs = bs.counts + 3 * ranks;
+      for (int r = 0; r < ranks; ++r) {
+        const std::size_t first = slice_begin(sh.len, r);
+        send_counts[r] = r == rank ? 0 : bytes_of(slice_begin(sh.len, r + 1) - first);
+        send_displs[r] = bytes_of(first);
+        recv_counts[r] = r == rank ? 0 : bytes_of(mine);
+        recv_displs[r] = r == rank ? 0 : bytes_of(static_cast<std::size_t>(r < rank ? r : r - 1) * mine);
+      }
+      note(MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs,
+                          MPI_BYTE, comm, &bs.requests[bs.pending++]),
+           "MPI_Ialltoallv");
+      return;
+    }
+    for (int r = 0, slot = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
+                     comm, &bs.requests[bs.pending++]),
+           "MPI_Irecv");
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      const std::size_t first = slice_begin(sh.len, r);
+      note(MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag,
+                     comm, &bs.requests[bs.pending++]),
+           "MPI_Isend");
+    }
+  }
+
+  /// Waits for the contributions, sums them in rank order into this rank's slice of the buffer
+  /// (its own contribution is there already), and starts sending the sum to every other rank
+  /// and receiving theirs.
+  void reduce_and_gather(const bucket_shape& sh, bucket_set& bs) {
+    wait_all(bs);
+    const std::size_t first = slice_begin(sh.len, rank);
+    const std::size_t mine = slice_begin(sh.len, rank + 1) - first;
+    Buf* out = bs.local + first;
+    // The contribution of another rank r, in recv.
+    auto from = [&](int r) { return bs.recv + static_cast<std::size_t>(r < rank ? r : r - 1) * mine; };
+    constexpr std::size_t block = 512;  // elements summed over every rank at a time (in L1)
+    Buf own[block];                      // this rank's contribution, kept aside while out is rewritten
+    for (std::size_t j0 = 0; j0 < mine; j0 += block) {
+      const std::size_t n = std::min(block, mine - j0);
+      Buf* o = out + j0;
+      if (rank != 0) {
+        std::copy(o, o + n, own);
+        const Buf* in = from(0) + j0;
+        std::copy(in, in + n, o);
+      }
+      for (int r = 1; r < ranks; ++r) {
+        const Buf* in = r == rank ? own : from(r) + j0;
+        for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
+      }
+    }
+    if (collectives()) {
+      int* counts = bs.counts;
+      int* displs = bs.counts + ranks;
+      for (int r = 0; r < ranks; ++r) {
+        counts[r] = bytes_of(slice_begin(sh.len, r + 1) - slice_begin(sh.len, r));
+        displs[r] = bytes_of(slice_begin(sh.len, r));
+      }
+      note(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, counts, displs, MPI_BYTE, comm,
+                           &bs.requests[bs.pending++]),
+           "MPI_Iallgatherv");
+      return;
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      const std::size_t at = slice_begin(sh.len, r);
+      note(MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
+                     &bs.requests[bs.pending++]),
+           "MPI_Irecv");
+    }
+    for (int r = 0; r < ranks; ++r)
+      if (r != rank)
+        note(MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]), "MPI_Isend");
+  }
+
+  /// A variable whose last element in the range has been written: zeroed when the policy says,
+  /// reported.
+  void finish_variable(std::size_t i) {
+    double* acc = work.sums.data() + 3 * i;
+    const bool nonfinite = acc[2] != 0;
+    if (zero_nonfinite() && nonfinite) {
+      const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
+      O* m = static_cast<O*>(work.outputs[2 * i]);
+      std::fill(m + begin, m + end, O(0));
+      if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
+      acc[0] = acc[1] = 0;
+    }
+    if (!opts.per_variable.empty()) {
+      variable_statistics& out = opts.per_variable[i];
+      if (detect()) out.nonfinite = nonfinite;
+      if (opts.statistics) {
+        out.sum_mean_squared = acc[0];
+        out.sum_mean_of_squares = acc[1];
+      }
+    }
+    everything_mean_squared += acc[0];
+    everything_mean_of_squares += acc[1];
+    nonfinite_variables += nonfinite ? 1 : 0;
+  }
+
+  /// Divides a gathered bucket into the outputs, adds its statistics, finishes the variables
+  /// whose last element it holds.
+  template <class Acc>
+  void unpack(const bucket_shape& sh, bucket_set& bs) {
+    wait_all(bs);
+    const Acc divisor = static_cast<Acc>(weight_sum);
+    bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
+    const std::size_t elements = sh.end - sh.begin;
+    const Buf* sums = bs.local;
+    const Buf* sq = bs.local + elements;
+    const Buf* flags = bs.local + elements * (squares_in_buffer() ? 2 : 1);
+    std::size_t flag = 0;
+    for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
+      const std::size_t size = size_of(i);
+      if (size == 0) continue;
+      const std::size_t begin = std::max(offset_of(i), sh.begin) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size, sh.end) - offset_of(i);
+      const std::size_t at = offset_of(i) + begin - sh.begin;
+      O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
+      O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
+      double* acc = work.sums.data() + 3 * i;
+      const std::size_t len = end - begin;
+      // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
+      constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+      auto divide_into = [&](const Buf* from, O* to) {
+        if constexpr (std::is_same_v<Buf, Acc> && std::is_same_v<O, Acc>) {
+          if (opts.streaming_stores) {
+            // The same quotients, stored around the caches.
+            gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
+            streamed = true;
+            return;
+          }
+        }
+        for (std::size_t j = 0; j < len; ++j) {
+          const Acc x = static_cast<Acc>(from[j]) / divisor;
+          to[j] = static_cast<O>(x == x ? x : nan);
+        }
+      };
+      divide_into(sums + at, m);
+      if (q) divide_into(sq + at, q);
+      if (opts.statistics) {
+        // From the values in Acc, before any rounding to O; one running sum per variable in
+        // element order, carried across buckets: the same bits whatever the bucket size.
+        double mean_squared = acc[0], mean_of_squares = acc[1];
+        for (std::size_t j = 0; j < len; ++j) {
+          const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
+          const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
+          mean_squared += mean * mean;
+          mean_of_squares += square;
+        }
+        acc[0] = mean_squared;
+        acc[1] = mean_of_squares;
+      }
+      if (detect() && flags[flag++] != Buf(0)) acc[2] = 1;
+      if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
+    }
+    if (streamed) gradavg::detail::streaming_fence();
+    progress();
+  }
+
+  /// The data path: every bucket filled, exchanged, gathered and unpacked, three in flight.
   template <class Acc>
   summary run() {
     const std::uint64_t* headers = work.words.data();
@@ -393,14 +685,7 @@ struct call {
       total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
       weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
     }
-    const double weight_sum = total_weight(headers);
-    const bool squares_in_buffer = this->squares_in_buffer();
-    const bool detect = this->detect();
-    const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
-
-    const std::uint64_t* const size_offset = work.words.data() + ranks * header_words + 2 * variables * variable_words;
-    auto size_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i]); };
-    auto offset_of = [&](std::size_t i) { return static_cast<std::size_t>(size_offset[2 * i + 1]); };
+    weight_sum = total_weight(headers);
     const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
     std::size_t averaged = 0;
     for (std::size_t i = 0; i < variables; ++i)
@@ -426,275 +711,12 @@ struct call {
       if (opts.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
       return result;
     }
-    const std::size_t per_element = sizeof(Buf) * (squares_in_buffer ? 2 : 1);
-    const std::size_t sets = std::min<std::size_t>(3, buckets);
-
-    struct bucket_shape {
-      std::size_t begin, end;       // flat
-      std::size_t first_variable;   // the first variable with an element in it
-      std::size_t flags;            // variables with an element in it (detect)
-      std::size_t len;              // Buf elements in the buffer
-    };
-    std::size_t walk_variable = 0;
-    auto shape_of_bucket = [&](std::size_t b) {
-      bucket_shape sh;
-      sh.begin = range_begin + b * bucket_elements;
-      sh.end = std::min(range_end, sh.begin + bucket_elements);
-      while (walk_variable < variables && offset_of(walk_variable) + size_of(walk_variable) <= sh.begin) ++walk_variable;
-      sh.first_variable = walk_variable;
-      std::size_t v = walk_variable, flags = 0;
-      for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
-      sh.flags = detect ? flags : 0;
-      const std::size_t elements = sh.end - sh.begin;
-      sh.len = elements * (squares_in_buffer ? 2 : 1) + sh.flags;
-      return sh;
-    };
-    auto slice_begin = [&](std::size_t len, int r) { return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks); };
-
-    // Progress of outstanding nonblocking collectives while the kernel runs (MPI libraries
-    // without a progress thread move data only inside MPI calls).
-    auto progress = [&]() {
-      for (std::size_t s = 0; s < sets; ++s) {
-        int done = 0;
-        if (set[s].pending != 0)
-          note(MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-      }
-    };
-
     const double* weights = opts.weights.empty() ? nullptr : opts.weights.data();
-    const bool fused = weights != nullptr || opts.scale != 1.0 || detect;
-    const gradavg::detail::fused_params<Buf> params{weights, opts.scale, static_cast<Buf>(opts.scale), detect, false};
-    constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
-
-    // Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
-    // move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
-    auto fill_range = [&](const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
-      const std::size_t elements = sh.end - sh.begin;
-      Buf* sums = buffer;
-      Buf* sq = squares_in_buffer ? buffer + elements : nullptr;
-      Buf* flags = buffer + elements * (squares_in_buffer ? 2 : 1);
-      const bool prefetch = gradavg::detail::prefetch_pays(elements, towers * sizeof(S) + per_element);
-      std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
-      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
-        const std::size_t size = size_of(i);
-        if (size == 0) continue;
-        if (offset_of(i) + size <= lo) {
-          ++flag;
-          continue;
-        }
-        const std::size_t begin = std::max(offset_of(i), lo) - offset_of(i);
-        const std::size_t end = std::min(offset_of(i) + size, hi) - offset_of(i);
-        bool nonfinite = false;
-        const void* const* tp = work.towers.data() + i * towers;
-        for (std::size_t p = begin; p < end; p += piece_elements) {
-          const std::size_t q = std::min(end, p + piece_elements);
-          const std::size_t at = offset_of(i) + p - sh.begin;
-          const piece_towers from{tp, p};
-          const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
-          const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
-              tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, prefetch, Buf(1),
-              fused ? &params : nullptr);
-          nonfinite = nonfinite || (fused && piece.nonfinite);
-          if (with_progress) progress();
-        }
-        // A variable split between chunks has its flag set by any of them (never cleared).
-        if (detect && nonfinite) std::atomic_ref<Buf>(flags[flag]).store(Buf(1), std::memory_order_relaxed);
-        ++flag;
-      }
-    };
-    // options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
-    auto fill = [&](const bucket_shape& sh, Buf* buffer) {
-      const std::size_t elements = sh.end - sh.begin;
-      std::fill(buffer + elements * (squares_in_buffer ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
-      const std::size_t chunks =
-          gradavg::detail::chunk_count(elements, towers * sizeof(S) + per_element, opts);
-      if (chunks <= 1) {
-        fill_range(sh, buffer, sh.begin, sh.end, true);
-        return;
-      }
-      auto chunk = [&](std::size_t c) {
-        fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
-      };
-      gradavg::detail::run_chunks(chunks, chunk, opts);
-    };
-
-    // options.exchange: point-to-point messages (tags exchange_tag and gather_tag on comm), or
-    // MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in bs.counts).
-    const bool collectives = opts.exchange == mpi::exchange_method::collectives;
-    auto wait_all = [&](bucket_set& bs) {
-      if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
-      bs.pending = 0;
-    };
-    auto bytes_of = [](std::size_t elements) { return static_cast<int>(elements * sizeof(Buf)); };
-    // Sends every other rank its slice of the bucket; receives theirs of this rank's slice.
-    auto start_exchange = [&](const bucket_shape& sh, bucket_set& bs) {
-      const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
-      bs.pending = 0;
-      if (collectives) {
-        // Nothing to or from this rank itself; the others' contributions in rank order in recv.
-        int* send_counts = bs.counts;
-        int* send_displs = bs.counts + ranks;
-        int* recv_counts = bs.counts + 2 * ranks;
-        int* recv_displs = bs.counts + 3 * ranks;
-        for (int r = 0; r < ranks; ++r) {
-          const std::size_t first = slice_begin(sh.len, r);
-          send_counts[r] = r == rank ? 0 : bytes_of(slice_begin(sh.len, r + 1) - first);
-          send_displs[r] = bytes_of(first);
-          recv_counts[r] = r == rank ? 0 : bytes_of(mine);
-          recv_displs[r] = r == rank ? 0 : bytes_of(static_cast<std::size_t>(r < rank ? r : r - 1) * mine);
-        }
-        note(MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs,
-                            MPI_BYTE, comm, &bs.requests[bs.pending++]),
-             "MPI_Ialltoallv");
-        return;
-      }
-      for (int r = 0, slot = 0; r < ranks; ++r) {
-        if (r == rank) continue;
-        note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
-                       comm, &bs.requests[bs.pending++]),
-             "MPI_Irecv");
-      }
-      for (int r = 0; r < ranks; ++r) {
-        if (r == rank) continue;
-        const std::size_t first = slice_begin(sh.len, r);
-        note(MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag,
-                       comm, &bs.requests[bs.pending++]),
-             "MPI_Isend");
-      }
-    };
-    // Waits for the contributions, sums them in rank order into this rank's slice of the buffer
-    // (its own contribution is there already), and starts sending the sum to every other rank
-    // and receiving theirs.
-    auto reduce_and_gather = [&](const bucket_shape& sh, bucket_set& bs) {
-      wait_all(bs);
-      const std::size_t first = slice_begin(sh.len, rank);
-      const std::size_t mine = slice_begin(sh.len, rank + 1) - first;
-      Buf* out = bs.local + first;
-      // The contribution of another rank r, in recv.
-      auto from = [&](int r) { return bs.recv + static_cast<std::size_t>(r < rank ? r : r - 1) * mine; };
-      constexpr std::size_t block = 512;  // elements summed over every rank at a time (in L1)
-      Buf own[block];                      // this rank's contribution, kept aside while out is rewritten
-      for (std::size_t j0 = 0; j0 < mine; j0 += block) {
-        const std::size_t n = std::min(block, mine - j0);
-        Buf* o = out + j0;
-        if (rank != 0) {
-          std::copy(o, o + n, own);
-          const Buf* in = from(0) + j0;
-          std::copy(in, in + n, o);
-        }
-        for (int r = 1; r < ranks; ++r) {
-          const Buf* in = r == rank ? own : from(r) + j0;
-          for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
-        }
-      }
-      if (collectives) {
-        int* counts = bs.counts;
-        int* displs = bs.counts + ranks;
-        for (int r = 0; r < ranks; ++r) {
-          counts[r] = bytes_of(slice_begin(sh.len, r + 1) - slice_begin(sh.len, r));
-          displs[r] = bytes_of(slice_begin(sh.len, r));
-        }
-        note(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, counts, displs, MPI_BYTE, comm,
-                             &bs.requests[bs.pending++]),
-             "MPI_Iallgatherv");
-        return;
-      }
-      for (int r = 0; r < ranks; ++r) {
-        if (r == rank) continue;
-        const std::size_t at = slice_begin(sh.len, r);
-        note(MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
-                       &bs.requests[bs.pending++]),
-             "MPI_Irecv");
-      }
-      for (int r = 0; r < ranks; ++r)
-        if (r != rank)
-          note(MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]), "MPI_Isend");
-    };
-
-    const Acc divisor = static_cast<Acc>(weight_sum);
-    double everything_mean_squared = 0, everything_mean_of_squares = 0;
-    std::size_t nonfinite_variables = 0;
-    // A variable whose last element in the range has been written: zeroed when the policy says,
-    // reported.
-    auto finish_variable = [&](std::size_t i) {
-      double* acc = work.sums.data() + 3 * i;
-      const bool nonfinite = acc[2] != 0;
-      if (zero_nonfinite && nonfinite) {
-        const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
-        const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
-        O* m = static_cast<O*>(work.outputs[2 * i]);
-        std::fill(m + begin, m + end, O(0));
-        if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
-        acc[0] = acc[1] = 0;
-      }
-      if (!opts.per_variable.empty()) {
-        variable_statistics& out = opts.per_variable[i];
-        if (detect) out.nonfinite = nonfinite;
-        if (opts.statistics) {
-          out.sum_mean_squared = acc[0];
-          out.sum_mean_of_squares = acc[1];
-        }
-      }
-      everything_mean_squared += acc[0];
-      everything_mean_of_squares += acc[1];
-      nonfinite_variables += nonfinite ? 1 : 0;
-    };
-    auto unpack = [&](const bucket_shape& sh, bucket_set& bs) {
-      wait_all(bs);
-      bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
-      const std::size_t elements = sh.end - sh.begin;
-      const Buf* sums = bs.local;
-      const Buf* sq = bs.local + elements;
-      const Buf* flags = bs.local + elements * (squares_in_buffer ? 2 : 1);
-      std::size_t flag = 0;
-      for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
-        const std::size_t size = size_of(i);
-        if (size == 0) continue;
-        const std::size_t begin = std::max(offset_of(i), sh.begin) - offset_of(i);
-        const std::size_t end = std::min(offset_of(i) + size, sh.end) - offset_of(i);
-        const std::size_t at = offset_of(i) + begin - sh.begin;
-        O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
-        O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
-        double* acc = work.sums.data() + 3 * i;
-        const std::size_t len = end - begin;
-        // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
-        constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
-        auto divide_into = [&](const Buf* from, O* to) {
-          if constexpr (std::is_same_v<Buf, Acc> && std::is_same_v<O, Acc>) {
-            if (opts.streaming_stores) {
-              // The same quotients, stored around the caches.
-              gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
-              streamed = true;
-              return;
-            }
-          }
-          for (std::size_t j = 0; j < len; ++j) {
-            const Acc x = static_cast<Acc>(from[j]) / divisor;
-            to[j] = static_cast<O>(x == x ? x : nan);
-          }
-        };
-        divide_into(sums + at, m);
-        if (q) divide_into(sq + at, q);
-        if (opts.statistics) {
-          // From the values in Acc, before any rounding to O; one running sum per variable in
-          // element order, carried across buckets: the same bits whatever the bucket size.
-          double mean_squared = acc[0], mean_of_squares = acc[1];
-          for (std::size_t j = 0; j < len; ++j) {
-            const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
-            const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
-            mean_squared += mean * mean;
-            mean_of_squares += square;
-          }
-          acc[0] = mean_squared;
-          acc[1] = mean_of_squares;
-        }
-        if (detect && flags[flag++] != Buf(0)) acc[2] = 1;
-        if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
-      }
-      if (streamed) gradavg::detail::streaming_fence();
-      progress();
-    };
-
+    fused = weights != nullptr || opts.scale != 1.0 || detect();
+    params = {weights, opts.scale, static_cast<Buf>(opts.scale), detect(), false};
+    walk_variable = 0;
+    everything_mean_squared = everything_mean_of_squares = 0;
+    nonfinite_variables = 0;
     // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception
     // in this rank's kernel its contributions are zeros: the messages every rank waits for flow.
     std::exception_ptr failure;
@@ -717,7 +739,7 @@ struct call {
         bucket_set& bs = set[(b - 1) % 3];
         reduce_and_gather(shapes[(b - 1) % 3], bs);
       }
-      if (b >= 2) unpack(shapes[(b - 2) % 3], set[(b - 2) % 3]);
+      if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3]);
     }
     // The last collective: the lowest rank whose kernel failed, if any.
     int failed_rank = failure ? rank : ranks;
