@@ -1,0 +1,502 @@
+// gradavg internals: the one-process pass behind average_gradients_into and average_gradients —
+// segmentation of the flat element range over threads, the kernel per variable piece, the fused
+// step's ordered statistics, the run-time element types, and the allocating API's pass.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <ranges>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "elements.hpp"
+#include "isa.hpp"
+#include "kernel.hpp"
+#include "parallel.hpp"
+#include "validate.hpp"
+#include "../entry.hpp"
+#include "../errors.hpp"
+#include "../executor.hpp"
+#include "../options.hpp"
+#include "../results.hpp"
+#include "../statistics.hpp"
+#include "../tensor.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+struct deduce_tensor {};
+
+/// The flat element range of a call is cut into at most max_segments segments of a size that
+/// depends only on the range's length (a power-of-two multiple of the split granularity), and
+/// threads take whole segments. Everything the fused pass sums is summed per segment and then
+/// segment by segment in order, so statistics never depend on the thread count.
+inline constexpr std::size_t max_segments = 256;
+
+/// What one segment's fused pass found: the piece of the variable that began before it (head),
+/// the variables that begin and end in it (inner, summed in order), the piece of the variable that
+/// begins in it and continues (tail). Trivial, so that an array of them costs nothing to declare.
+struct segment_record {
+  static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
+  std::size_t head_variable;
+  bool head_ends;
+  piece_result head;
+  std::size_t tail_variable;
+  piece_result tail;
+  piece_result inner;
+  std::size_t inner_nonfinite;
+};
+static_assert(std::is_trivially_default_constructible_v<segment_record>);
+
+/// Whether options ask for anything beyond the plain mean (and squares).
+inline bool fused_requested(const options& opts) noexcept {
+  return !opts.weights.empty() || opts.scale != 1.0 || opts.on_nonfinite != nonfinite_policy::ignore ||
+         opts.statistics || !opts.per_variable.empty();
+}
+
+/// What the pass over all variables reports (summary's counts except skipped).
+struct pass_result {
+  bool whole_range = true;
+  std::size_t written = 0;  // partial range: variables with at least one element in it
+  std::size_t nonfinite = 0;
+  double sum_mean_squared = 0;
+  double sum_mean_of_squares = 0;
+};
+
+/// Where the pass finds each variable, through function pointers, so that the pass and the
+/// kernel are compiled once per element type (not once per tensor family and call site):
+/// size_of(i) elements (0 for a skipped variable), tower_data(i, k) tower k's first element,
+/// mean(i) / square(i) the outputs (square returns null for every i without squares).
+/// Or, with layout set (the function pointers unused): variable i's gradients are
+/// layout[i * stride + k] (k < T; empty for a skipped variable), its mean output
+/// layout[i * stride + T] and its squares output layout[i * stride + T + 1] when with_squares:
+/// the byte ranges validation recorded, read without a call per variable and tower.
+template <class S, class O>
+struct pass_source {
+  const void* context;
+  std::size_t (*size_of)(const void* context, std::size_t variable);
+  const S* (*tower_data)(const void* context, std::size_t variable, std::size_t tower);
+  O* (*mean)(const void* context, std::size_t variable);
+  O* (*square)(const void* context, std::size_t variable);
+  const byte_range* layout = nullptr;
+  std::size_t stride = 0;
+  std::size_t total = unknown_total;  // the sum of size_of(i), when the caller knows it
+
+  static constexpr std::size_t unknown_total = std::size_t(-1);
+};
+
+/// Runs the kernel over every variable of source, summing in Acc and writing O.
+/// The elements of options.range form one flat range, split into contiguous chunks of whole
+/// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
+/// share a fork/join.
+template <class S, class Acc, class O>
+pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
+                         bool with_squares, const options& opts) {
+  const byte_range* const layout = source.layout;
+  auto output_at = [](const byte_range& r) { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); };
+  auto size_of = [&source, layout](std::size_t i) {
+    if (layout != nullptr) {
+      const byte_range& g = layout[i * source.stride];
+      return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+    }
+    return source.size_of(source.context, i);
+  };
+  auto mean_ptr = [&](std::size_t i) {
+    return layout != nullptr ? output_at(layout[i * source.stride + tower_count]) : source.mean(source.context, i);
+  };
+  auto square_ptr = [&](std::size_t i) -> O* {
+    if (layout != nullptr) return with_squares ? output_at(layout[i * source.stride + tower_count + 1]) : nullptr;
+    return source.square(source.context, i);
+  };
+  std::size_t total = source.total;
+  if (total == source.unknown_total) {
+    total = 0;
+    for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
+  }
+  const std::size_t range_begin = std::min(opts.range.begin, total);
+  const std::size_t range_end = std::min(opts.range.end, total);
+  const std::size_t n = range_end - range_begin;
+
+  pass_result result;
+  result.whole_range = range_begin == 0 && range_end == total;
+  if (!result.whole_range) {
+    std::size_t offset = 0;
+    for (std::size_t i = 0; i < variable_count; ++i) {
+      const std::size_t size = size_of(i);
+      result.written += size != 0 && range_begin < range_end && offset < range_end && offset + size > range_begin ? 1 : 0;
+      offset += size;
+    }
+  }
+  if (n == 0) return result;
+
+  const bool fused = fused_requested(opts);
+  const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
+  double weight_sum = static_cast<double>(tower_count);
+  if (!opts.weights.empty()) {
+    weight_sum = 0;
+    for (double w : opts.weights) weight_sum += w;
+  }
+  const Acc divisor = static_cast<Acc>(weight_sum);
+  // validate_options: the scale and every weight times it are representable in Acc.
+  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), opts.scale,
+                                 static_cast<Acc>(opts.scale), opts.on_nonfinite != nonfinite_policy::ignore,
+                                 opts.statistics};
+  const fused_params<Acc>* fused_ptr = fused ? &params : nullptr;
+
+  std::size_t segment = split_granularity<Acc>();
+  while ((n + segment - 1) / segment > max_segments) segment *= 2;
+  const std::size_t segments = (n + segment - 1) / segment;
+  // Every element of the flat range reads one value per tower and writes a mean (and a square).
+  const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
+  const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
+  const bool prefetch = prefetch_pays(n, bytes_per_element);
+  segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
+  struct variable_towers {
+    const pass_source<S, O>* source;
+    std::size_t variable;
+    static const S* first_element(const void* context, std::size_t tower) {
+      const auto* self = static_cast<const variable_towers*>(context);
+      return self->source->tower_data(self->source->context, self->variable, tower);
+    }
+  };
+
+  auto zero_outputs = [&](std::size_t i, std::size_t begin, std::size_t end) {
+    std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
+    if (O* q = square_ptr(i)) std::fill(q + begin, q + end, O(0));
+  };
+  // A variable's combined result: zeroed when policy says, reported per variable.
+  auto finish_variable = [&](std::size_t i, piece_result& r) {
+    if (zero_nonfinite && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
+    if (!opts.per_variable.empty()) {
+      variable_statistics& out = opts.per_variable[i];
+      if (opts.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+      if (opts.statistics) {
+        out.sum_mean_squared = r.sum_mean_squared;
+        out.sum_mean_of_squares = r.sum_mean_of_squares;
+      }
+    }
+  };
+
+  // Segments [first_segment, last_segment).
+  auto run = [&](std::size_t first_segment, std::size_t last_segment) {
+    const std::size_t first = range_begin + first_segment * segment;
+    std::size_t i = 0, offset = 0;  // variable i begins at flat index offset
+    while (i < variable_count && offset + size_of(i) <= first) offset += size_of(i++);
+    for (std::size_t s = first_segment; s < last_segment; ++s) {
+      const std::size_t seg_begin = range_begin + s * segment;
+      const std::size_t seg_end = std::min(range_end, seg_begin + segment);
+      segment_record& record = records[s];
+      if (fused) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
+      while (i < variable_count && offset < seg_end) {
+        const std::size_t size = size_of(i);
+        if (size == 0) {
+          ++i;
+          continue;
+        }
+        const std::size_t begin = std::max(offset, seg_begin) - offset;
+        const std::size_t end = std::min(offset + size, seg_end) - offset;
+        const variable_towers towers_of_i{&source, i};
+        const tower_reader<S> reader =
+            layout != nullptr
+                ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout + i * source.stride),
+                                  sizeof(byte_range)}
+                : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
+        if (!fused) {
+          // Nothing to read back (loading the callee's fresh stores of an empty result stalled
+          // every call of a small variable).
+          reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores,
+                               prefetch, divisor, nullptr);
+        } else {
+          piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
+                                                    opts.streaming_stores, prefetch, divisor, fused_ptr);
+          const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
+          const bool ends_here = offset + size <= seg_end || seg_end == range_end;
+          if (!starts_here) {
+            record.head_variable = i;
+            record.head_ends = ends_here;
+            record.head = piece;
+          } else if (!ends_here) {
+            record.tail_variable = i;
+            record.tail = piece;
+          } else {
+            if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
+            finish_variable(i, piece);
+            record.inner.add(piece);
+            record.inner_nonfinite += piece.nonfinite ? 1 : 0;
+          }
+        }
+        if (offset + size > seg_end) break;  // continues in the next segment
+        offset += size;
+        ++i;
+      }
+    }
+  };
+  auto chunk = [&](std::size_t c) { run(segments * c / chunks, segments * (c + 1) / chunks); };
+  run_chunks(chunks, chunk, opts);
+  if (!fused) return result;
+
+  // Variables over several segments, combined piece by piece in segment order; the sums over
+  // everything, variable by variable in order.
+  piece_result open{};
+  std::size_t open_variable = segment_record::none;
+  piece_result everything{};
+  for (std::size_t s = 0; s < segments; ++s) {
+    segment_record& record = records[s];
+    if (record.head_variable != segment_record::none) {
+      if (open_variable == record.head_variable) {
+        open.add(record.head);
+      } else {
+        open = record.head;
+        open_variable = record.head_variable;
+      }
+      if (record.head_ends) {
+        if (zero_nonfinite && open.nonfinite) {
+          std::size_t offset = 0;
+          for (std::size_t i = 0; i < open_variable; ++i) offset += size_of(i);
+          const std::size_t begin = std::max(offset, range_begin) - offset;
+          zero_outputs(open_variable, begin, std::min(offset + size_of(open_variable), range_end) - offset);
+        }
+        finish_variable(open_variable, open);
+        everything.add(open);
+        result.nonfinite += open.nonfinite ? 1 : 0;
+        open_variable = segment_record::none;
+      }
+    }
+    everything.add(record.inner);
+    result.nonfinite += record.inner_nonfinite;
+    if (record.tail_variable != segment_record::none) {
+      open = record.tail;
+      open_variable = record.tail_variable;
+    }
+  }
+  result.sum_mean_squared = everything.sum_mean_squared;
+  result.sum_mean_of_squares = everything.sum_mean_of_squares;
+  return result;
+}
+
+/// average_pass for each of GRADAVG_KERNEL_INSTANCES_ (kernel.hpp; see kernels.hpp).
+#define GRADAVG_PASS_INSTANCE_(S, Acc, O) \
+  template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_source<S, O>&, bool, const options&);
+#define GRADAVG_EXTERN_PASS_INSTANCE_(S, Acc, O) extern GRADAVG_PASS_INSTANCE_(S, Acc, O)
+
+#if defined(GRADAVG_EXTERN_KERNELS)  // see kernel.hpp
+GRADAVG_KERNEL_INSTANCES_(GRADAVG_EXTERN_PASS_INSTANCE_)
+#endif
+
+/// average_pass over callables: size_of(i), tower_data(i, k), mean_ptr(i), square_ptr(i).
+template <class S, class Acc, class O, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
+pass_result average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
+                        const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
+                        bool with_squares, const options& opts) {
+  struct callables {
+    const SizeOf& size_of;
+    const TowerData& tower_data;
+    const MeanPtr& mean_ptr;
+    const SquarePtr& square_ptr;
+  };
+  const callables c{size_of, tower_data, mean_ptr, square_ptr};
+  using self = const callables*;
+  const pass_source<S, O> source{
+      &c,
+      [](const void* p, std::size_t i) -> std::size_t { return static_cast<self>(p)->size_of(i); },
+      [](const void* p, std::size_t i, std::size_t k) -> const S* { return static_cast<self>(p)->tower_data(i, k); },
+      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->mean_ptr(i); },
+      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->square_ptr(i); }};
+  return average_pass<S, Acc, O>(variable_count, tower_count, source, with_squares, opts);
+}
+
+/// average_all reading every gradient again through tower_grads, as S.
+template <class Acc, class S, class TG, class MeanPtr, class SquarePtr>
+pass_result average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
+                                const SquarePtr& square_ptr, bool with_squares, const options& opts) {
+  using O = std::remove_pointer_t<decltype(mean_ptr(std::size_t{}))>;
+  return average_all<S, Acc, O>(
+      variable_count, std::ranges::size(tg),
+      [&tg](std::size_t i) {
+        const auto g = read_gradient(tg, 0, i);
+        return g.present ? g.dims.size() : 0;
+      },
+      [&tg](std::size_t i, std::size_t k) { return gradient_data<TG, S>(tg, k, i); }, mean_ptr, square_ptr,
+      with_squares, opts);
+}
+
+/// Calls f.template operator()<Acc>() with the accumulator type options choose for S.
+template <class S, class F>
+decltype(auto) with_accumulator(const options& opts, F&& f) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (opts.accumulate == accumulation::double_precision) return f.template operator()<double>();
+  }
+  return f.template operator()<accumulator_t<S>>();
+}
+
+/// The largest finite value of the accumulator type options choose for S.
+template <class S>
+double accumulator_max(const options& opts) noexcept {
+  return with_accumulator<S>(opts, []<class Acc>() { return static_cast<double>(std::numeric_limits<Acc>::max()); });
+}
+
+/// The summary of a call from validation's counts and the pass's result.
+inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size_t towers, const pass_result& pass,
+                            const options& opts) {
+  summary r;
+  r.averaged = pass.whole_range ? averaged : pass.written;
+  r.skipped = skipped;
+  r.nonfinite_variables = pass.nonfinite;
+  r.statistics = opts.statistics;
+  if (opts.statistics) {
+    r.sum_mean_squared = pass.sum_mean_squared;
+    r.sum_mean_of_squares = pass.sum_mean_of_squares;
+  }
+  r.towers = towers;
+  r.weighted_towers = opts.weights.empty() ? towers : positive_weights(opts.weights);
+  r.total_samples = opts.samples_per_tower * static_cast<double>(towers);
+  return r;
+}
+
+/// average_gradients_into with gradients read as S and outputs written as O (the traits'
+/// value_types, or the run-time types validate_elements found).
+template <class S, class O, class TG, class Means, class Squares>
+summary average_into_typed(const TG& tg, Means& means, Squares* squares, const options& opts) {
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  check_scratch scratch;  // uninitialised arrays: costs nothing unless used
+  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
+  const std::size_t towers = std::ranges::size(tg);
+  validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
+
+  pass_result pass;
+  if (v.layout != nullptr) {
+    // Pointers as read by the checks: variable i's ranges start at layout[i * stride].
+    const std::size_t stride = towers + (with_squares ? 2 : 1);
+    const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, v.layout, stride, v.elements};
+    pass = with_accumulator<S>(
+        opts, [&]<class Acc>() { return average_pass<S, Acc, O>(v.variables, towers, source, with_squares, opts); });
+  } else {
+    auto mean_ptr = [&means](std::size_t i) { return read_output<Means, O>(means, i).data; };
+    pass = with_accumulator<S>(opts, [&]<class Acc>() {
+      if constexpr (with_squares)
+        return average_all_entries<Acc, S>(
+            tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output<Squares, O>(*squares, i).data; },
+            true, opts);
+      else
+        return average_all_entries<Acc, S>(
+            tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<O*>(nullptr); }, false, opts);
+    });
+  }
+  return make_summary(v.averaged, v.skipped, towers, pass, opts);
+}
+
+[[noreturn]] inline void throw_output_element(element_type gradients, element_type outputs) {
+  throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
+                     std::string(element_name(gradients)) +
+                     "; outputs hold the gradients' element type (or float32 for 16-bit gradients)");
+}
+
+/// Calls f.template operator()<S, O>() (returning a summary) with the gradients' element type S
+/// and the outputs' O of a call over tensor types G and OT, from e for dynamic tensors (e: what
+/// validate_elements found; types_known false when it threw, so e holds nothing). A pair the
+/// kernel does not have (validate_elements rejects each first): throws output_error, or, where
+/// every process must still take part in the call (Agree), runs the outputs' type's kernel.
+template <class G, class OT, bool Agree, class F>
+summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
+  auto with_gradients = [&]<class S>() -> summary {
+    if constexpr (dynamic_tensor<OT>) {
+      if (types_known && e.outputs != e.gradients) {
+        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+          return f.template operator()<S, float>();
+        else if constexpr (!Agree)
+          throw_output_element(e.gradients, e.outputs);
+      }
+      return f.template operator()<S, S>();
+    } else {
+      using O = tensor_value_t<OT>;
+      if constexpr (supported_output<S, O>)
+        return f.template operator()<S, O>();
+      else if constexpr (Agree)
+        return f.template operator()<O, O>();
+      else
+        throw_output_element(e.gradients, e.outputs);
+    }
+  };
+  if constexpr (dynamic_tensor<G>)
+    return with_element(e.gradients, with_gradients);
+  else
+    return with_gradients.template operator()<tensor_value_t<G>>();
+}
+
+template <class TG, class Means, class Squares>
+summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts) {
+  using G = gradient_tensor_t<TG>;
+  using OT = output_tensor_t<Means&>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
+  static_assert(outputs_outlive_reads<Means&>,
+                "gradavg: means yields outputs by value that own their elements; yield references or views");
+  if constexpr (with_squares) {
+    static_assert(outputs_outlive_reads<Squares&>,
+                  "gradavg: squares yields outputs by value that own their elements; yield references or views");
+    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, tensor_value_t<OT>>,
+                  "gradavg: the squares outputs must hold the same element type as the means outputs");
+  }
+  if constexpr (static_tensor<G> && static_tensor<OT>) {
+    using S = tensor_value_t<G>;
+    using O = tensor_value_t<OT>;
+    static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+    static_assert(supported_output<S, O>,
+                  "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
+    return average_into_typed<S, O>(tg, means, squares, opts);
+  } else {
+    // Run-time element types: found and checked first, then the kernel of those types.
+    const std::size_t variable_count = validate_tower_counts(tg);
+    const call_elements e = validate_elements(tg, variable_count, &means, squares);
+    return with_kernel_types<G, OT, false>(e, true, [&]<class S, class O>() {
+      return average_into_typed<S, O>(tg, means, squares, opts);
+    });
+  }
+}
+
+/// The allocating API's pass with gradients read as S (results of the same element type),
+/// after validation.
+template <class S, class TG, class R, class V>
+void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
+                             averaged_gradients<R, V>& result, const options& opts) {
+  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
+  if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+    throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
+  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
+  using G = gradient_tensor_t<TG>;  // its tensor_traits make the results (of type R)
+  auto make = [&](const shape& dims) {
+    if constexpr (dynamic_tensor<G>)
+      return tensor_traits<G>::make(dims, element);
+    else
+      return tensor_traits<G>::make(dims);
+  };
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    const auto g0 = read_gradient(tower_grads, 0, i);
+    if (!g0.present) {
+      result.skipped.push_back({i, variable_copy(tower_grads, i)});
+      continue;
+    }
+    slot_of[i] = result.gradients.size();
+    result.gradients.emplace_back(make(g0.dims), variable_copy(tower_grads, i));
+    if (opts.include_square) result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
+  }
+
+  const pass_result pass = with_accumulator<S>(opts, [&]<class Acc>() {
+    return average_all_entries<Acc, S>(
+        tower_grads, variable_count,
+        [&](std::size_t i) { return typed_mutable_data<S>(result.gradients[slot_of[i]].first); },
+        [&](std::size_t i) -> S* {
+          return opts.include_square ? typed_mutable_data<S>(result.squares[slot_of[i]].first) : nullptr;
+        },
+        opts.include_square, opts);
+  });
+  result.report = make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
+                               pass, opts);
+}
+
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
