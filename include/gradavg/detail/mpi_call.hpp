@@ -312,6 +312,8 @@ struct call {
 
   // ---- Preparation: every table and buffer the data path uses, before any collective. ----
 
+  /// Each variable's element count and first flat element, in work.words (prepare()).
+  std::uint64_t* sizes = nullptr;
   /// Bucket geometry and the buffers behind it (prepare()).
   std::size_t total = 0;            // elements of the variables present on every local tower
   std::size_t range_begin = 0, range_end = 0;
@@ -330,7 +332,7 @@ struct call {
     work.towers.resize(variables * towers);
     work.outputs.resize(2 * variables);
     work.sums.resize(3 * variables);
-    std::uint64_t* const sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
+    sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
     total = 0;
     for (std::size_t i = 0; i < variables; ++i) {
       std::size_t size = 0;
@@ -409,12 +411,9 @@ struct call {
   /// options.exchange: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in
   /// bucket_set::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
   bool collectives() const noexcept { return opts.exchange == mpi::exchange_method::collectives; }
-  /// prepare()'s table: each variable's element count and first flat element (size_of, offset_of).
-  const std::uint64_t* size_offset() const noexcept {
-    return work.words.data() + ranks * header_words + 2 * variables * variable_words;
-  }
-  std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(size_offset()[2 * i]); }
-  std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(size_offset()[2 * i + 1]); }
+  /// Variable i's element count and first flat element (prepare()'s table).
+  std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
+  std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
   std::size_t slice_begin(std::size_t len, int r) const noexcept {
     return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks);
   }
