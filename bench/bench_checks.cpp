@@ -7,6 +7,8 @@
 //   (<contender>.vs.bare):
 //     bare          a fused loop over the same elements (sum and sum of squares per element,
 //                   towers unrolled), no checks: the floor
+//     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
+//                   contiguity compared with the proof of the first call, nothing else checked
 //     cached        gradavg, default checks (alias_check::all), options.layout reused: the
 //                   layout proved by the previous call is compared range by range
 //     uncached      gradavg, default checks, no layout_cache: sort and sweep every call
@@ -121,6 +123,10 @@ void BM_small(benchmark::State& state) {
     cs.push_back({"bare", [&] { bare_loop<64>(s.by_variable, s.mean_ptrs, s.square_ptrs); }, {}});
   else
     cs.push_back({"bare", [&] { bare_loop<1024>(s.by_variable, s.mean_ptrs, s.square_ptrs); }, {}});
+#if __has_include(<gradavg/plan.hpp>)
+  gradavg::plan plan;
+  cs.push_back({"plan", [&] { gradavg::average_gradients_into(plan, s.tg, s.mean_spans, s.square_spans); }, {}});
+#endif
 #if GRADAVG_BENCH_HAVE_LAYOUT_CACHE
   cs.push_back({"cached", [&] {
                   gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans, {.layout = &cache});

@@ -65,6 +65,16 @@ TEST_CASE("average_gradients_into allocates nothing with threads = 1") {
   CHECK(allocations_during([&] { gradavg::average_gradients_into(tg, in_place); }) == 0);
 }
 
+TEST_CASE("a call with a plan that holds its proof allocates nothing") {
+  const gradavg_test::workload w(3, {1, 100, 7, 4096, 300000, 0, 33});
+  auto means = w.outputs(), squares = w.outputs();
+  gradavg::plan step;
+  gradavg::average_gradients_into(step, w.tg, means, squares);  // the first call keeps the proof
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(step, w.tg, means, squares); }) == 0);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(step, w.tg, means, squares, {.threads = 1}); }) == 0);
+  CHECK(step.proofs() == 1);
+}
+
 TEST_CASE("average_gradients_into allocates nothing on a pool, on any of its threads") {
   const gradavg_test::workload w(4, {300000, 5, 250000});  // worth 10 chunks
   auto means = w.outputs(), squares = w.outputs();

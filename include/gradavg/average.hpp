@@ -16,6 +16,7 @@
 // are unchanged.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <ranges>
 #include <type_traits>
@@ -28,6 +29,7 @@
 #include "errors.hpp"
 #include "executor.hpp"
 #include "options.hpp"
+#include "plan.hpp"
 #include "results.hpp"
 #include "statistics.hpp"
 #include "tensor.hpp"
@@ -69,6 +71,26 @@ template <tower_gradients TG, class Means, class Squares>
   requires detail::output_range<Means&> && detail::output_range<Squares&>
 summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& squares, const options& opts = {}) {
   return detail::average_into_impl(tower_grads, means, &squares, opts);
+}
+
+/// As above, keeping in p what the checks proved (plan.hpp): a later call with p over the same
+/// buffers compares each one's presence, first element, element count and contiguity with the
+/// proof instead of checking variables, shapes and overlaps again, and the kernel reads the
+/// pointers from p. Over other buffers, every check runs and p keeps the new proof. options.layout
+/// must be null (option_error). Allocates nothing once p holds a proof of the same size.
+/// (P is plan: a template parameter so that calls without a plan never try this overload.)
+template <std::same_as<plan> P, tower_gradients TG, class Means>
+  requires detail::output_range<Means&>
+summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, const options& opts = {}) {
+  return detail::average_into_impl(tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, &p);
+}
+
+/// As above, with squares (see the second average_gradients_into).
+template <std::same_as<plan> P, tower_gradients TG, class Means, class Squares>
+  requires detail::output_range<Means&> && detail::output_range<Squares&>
+summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, Squares&& squares,
+                               const options& opts = {}) {
+  return detail::average_into_impl(tower_grads, means, &squares, opts, &p);
 }
 
 /// The seed's _average_gradients: returns, for each variable, its mean gradient over the towers

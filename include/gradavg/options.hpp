@@ -67,7 +67,7 @@ struct options {
 
   /// Caller-owned scratch and memory of the last proved layout for average_gradients_into
   /// (layout_cache.hpp); not owned. Null: the check of up to 256 buffers uses the stack, larger
-  /// ones allocate their scratch for the call.
+  /// ones allocate their scratch for the call. Must be null in a call with a plan (plan.hpp).
   layout_cache* layout = nullptr;
 
   /// Threads one call may use. Left at default_threads: all of pool's (pool->concurrency()) when

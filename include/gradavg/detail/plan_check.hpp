@@ -1,0 +1,121 @@
+// gradavg internals: a plan's proof (plan.hpp) — kept after a call's full checks, and compared
+// with a later call's buffers.
+#pragma once
+
+#include <cstddef>
+#include <ranges>
+#include <type_traits>
+
+#include "access.hpp"
+#include "elements.hpp"
+#include "isa.hpp"
+#include "validate.hpp"
+#include "../options.hpp"
+#include "../plan.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+using gradavg::plan_detail::plan_access;
+
+/// How much of the overlap rules a check proves: none < same_variable < all.
+constexpr int alias_strength(alias_check a) noexcept {
+  return a == alias_check::all ? 2 : a == alias_check::same_variable ? 1 : 0;
+}
+
+/// Whether output slot s holds exactly the bytes expected, writable as O.
+template <class O, class Slot>
+GRADAVG_HOT_ bool output_matches(Slot&& s, const byte_range& expected) {
+  if (!slot_present(s)) return false;
+  auto& t = slot_get(s);
+  using T = std::remove_cvref_t<decltype(t)>;
+  if constexpr (dynamic_tensor<T>) {
+    if (tensor_traits<T>::element(t) != element_of_type<O>()) return false;
+  }
+  return is_contiguous(t) && bytes_of(typed_mutable_data<O>(t), tensor_traits<T>::shape(t).size()) == expected;
+}
+
+/// Whether every buffer of this call is one p proved for the same signature, towers, variables,
+/// squares, element types S / O and at least options.aliasing's overlap check: each gradient
+/// present exactly where it was, and every present gradient and output of an averaged variable
+/// contiguous, of type S / O, at the same first element with the same element count. False too
+/// when a tensor_traits function throws: the full checks then locate the error.
+template <class S, class O, class TG, class Means, class Squares>
+bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Squares* squares, const options& opts) {
+  using A = plan_access;
+  using E = entry_t<TG>;
+  using G = gradient_tensor_t<TG>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  const std::size_t towers = std::ranges::size(tg);
+  const std::size_t variables = A::variables(p);
+  if (!A::ready(p) || A::signature(p) != signature || A::towers(p) != towers || A::squares(p) != with_squares ||
+      A::gradients(p) != element_of_type<S>() || A::outputs(p) != element_of_type<O>() ||
+      alias_strength(opts.aliasing) > alias_strength(A::proved(p)) || (opts.include_square && !with_squares) ||
+      std::ranges::size(means) != variables)
+    return false;
+  if constexpr (with_squares) {
+    if (std::ranges::size(*squares) != variables) return false;
+  }
+  for (std::size_t k = 0; k < towers; ++k)
+    if (std::ranges::size(at(tg, k)) != variables) return false;
+
+  const std::size_t stride = towers + (with_squares ? 2 : 1);
+  const byte_range* slots = layout_cache_access::layout(A::proof(p)).data();
+  const unsigned char* present = A::present(p).data();
+  try {
+    for (std::size_t i = 0; i < variables; ++i, slots += stride) {
+      const bool expected = present[i] != 0;
+      for (std::size_t k = 0; k < towers; ++k) {
+        const bool same = with_entry(tg, k, i, [&](const E& e) {
+          auto&& s = entry_traits<E>::gradient(e);
+          if (!slot_present(s)) return !expected;
+          if (!expected) return false;
+          const G& g = slot_get(s);
+          if constexpr (dynamic_tensor<G>) {
+            if (tensor_traits<G>::element(g) != element_of_type<S>()) return false;
+          }
+          return is_contiguous(g) && bytes_of(typed_data<S>(g), tensor_traits<G>::shape(g).size()) == slots[k];
+        });
+        if (!same) return false;
+      }
+      if (!expected) continue;
+      if (!output_matches<O>(at(means, i), slots[towers])) return false;
+      if constexpr (with_squares) {
+        if (!output_matches<O>(at(*squares, i), slots[towers + 1])) return false;
+      }
+    }
+  } catch (...) {
+    return false;
+  }
+  return true;
+}
+
+/// Keeps in p what a call's full checks proved: v (whose layout is p's layout_cache's), and
+/// which variables are present. Called after every check has passed, before anything is written.
+template <class S, class O, class TG>
+void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v, bool with_squares,
+                alias_check aliasing) {
+  using A = plan_access;
+  using E = entry_t<TG>;
+  auto& present = A::present(p);
+  present.resize(v.variables);
+  for (std::size_t i = 0; i < v.variables; ++i)
+    present[i] = with_entry(tg, 0, i, [](const E& e) { return slot_present(entry_traits<E>::gradient(e)); }) ? 1 : 0;
+  A::signature(p) = signature;
+  A::towers(p) = std::ranges::size(tg);
+  A::variables(p) = v.variables;
+  A::averaged(p) = v.averaged;
+  A::skipped(p) = v.skipped;
+  A::elements(p) = v.elements;
+  A::gradients(p) = element_of_type<S>();
+  A::outputs(p) = element_of_type<O>();
+  A::proved(p) = aliasing;
+  A::squares(p) = with_squares;
+  A::ready(p) = true;
+  ++A::proofs(p);
+}
+
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
