@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "detail/into.hpp"
 #include "detail/isa.hpp"
 #include "detail/pass.hpp"
 #include "entry.hpp"

@@ -1,6 +1,7 @@
 // gradavg internals: the one-process pass behind average_gradients_into and average_gradients —
 // segmentation of the flat element range over threads, the kernel per variable piece, the fused
-// step's ordered statistics, the run-time element types, and the allocating API's pass.
+// step's ordered statistics, the run-time element types, and the allocating API's pass
+// (average_gradients_into's checks and plan around it: into.hpp).
 #pragma once
 
 #include <algorithm>
@@ -15,13 +16,11 @@
 #include "isa.hpp"
 #include "kernel.hpp"
 #include "parallel.hpp"
-#include "plan_check.hpp"
 #include "validate.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
 #include "../executor.hpp"
 #include "../options.hpp"
-#include "../plan.hpp"
 #include "../results.hpp"
 #include "../statistics.hpp"
 #include "../tensor.hpp"
@@ -358,69 +357,6 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   return r;
 }
 
-/// The pass over a layout validation proved (variable i's buffers at layout[i * stride], stride
-/// = towers + 1, + 2 with squares), and the call's summary.
-template <class S, class O>
-summary average_layout(const byte_range* layout, std::size_t variables, std::size_t towers, bool with_squares,
-                       std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
-  const std::size_t stride = towers + (with_squares ? 2 : 1);
-  const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, layout, stride, elements};
-  const pass_result pass = with_accumulator<S>(
-      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, source, with_squares, opts); });
-  return make_summary(averaged, skipped, towers, pass, opts);
-}
-
-/// average_gradients_into with gradients read as S and outputs written as O (the traits'
-/// value_types, or the run-time types validate_elements found), after every check. With a plan,
-/// the checks keep their proof in it (signature: the call's types).
-template <class S, class O, class TG, class Means, class Squares>
-summary average_into_typed(const TG& tg, Means& means, Squares* squares, const options& opts,
-                           plan* planned = nullptr, const void* signature = nullptr) {
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
-  const std::size_t towers = std::ranges::size(tg);
-  check_scratch scratch;  // uninitialised arrays: costs nothing unless used
-  if (planned != nullptr) {
-    plan_access::ready(*planned) = false;  // until this call's checks pass
-    options kept = opts;
-    kept.layout = &plan_access::proof(*planned);
-    const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, kept, scratch);
-    validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-    keep_proof<S, O>(*planned, signature, tg, v, with_squares, opts.aliasing);
-    return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
-  }
-  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
-  validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-  if (v.layout != nullptr)
-    return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
-
-  pass_result pass;
-  auto mean_ptr = [&means](std::size_t i) { return read_output<Means, O>(means, i).data; };
-  pass = with_accumulator<S>(opts, [&]<class Acc>() {
-    if constexpr (with_squares)
-      return average_all_entries<Acc, S>(
-          tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output<Squares, O>(*squares, i).data; },
-          true, opts);
-    else
-      return average_all_entries<Acc, S>(
-          tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<O*>(nullptr); }, false, opts);
-  });
-  return make_summary(v.averaged, v.skipped, towers, pass, opts);
-}
-
-/// A call whose buffers p proved (matches_plan): the options' checks and the pass.
-template <class S, class O>
-summary average_planned(plan& p, bool with_squares, const options& opts) {
-  using A = plan_access;
-  try {
-    validate_options(opts, A::towers(p), A::variables(p), accumulator_max<S>(opts));
-  } catch (...) {
-    A::ready(p) = false;  // a failed call empties the plan
-    throw;
-  }
-  return average_layout<S, O>(layout_cache_access::layout(A::proof(p)).data(), A::variables(p), A::towers(p),
-                              with_squares, A::elements(p), A::averaged(p), A::skipped(p), opts);
-}
-
 [[noreturn]] inline void throw_output_element(element_type gradients, element_type outputs) {
   throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
                      std::string(element_name(gradients)) +
@@ -457,57 +393,6 @@ summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
     return with_element(e.gradients, with_gradients);
   else
     return with_gradients.template operator()<tensor_value_t<G>>();
-}
-
-/// average_gradients_into, with p (may be null) holding the proof of an earlier call's checks.
-template <class TG, class Means, class Squares>
-summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts, plan* p = nullptr) {
-  using G = gradient_tensor_t<TG>;
-  using OT = output_tensor_t<Means&>;
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
-  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
-  static_assert(outputs_outlive_reads<Means&>,
-                "gradavg: means yields outputs by value that own their elements; yield references or views");
-  if constexpr (with_squares) {
-    static_assert(outputs_outlive_reads<Squares&>,
-                  "gradavg: squares yields outputs by value that own their elements; yield references or views");
-    static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, tensor_value_t<OT>>,
-                  "gradavg: the squares outputs must hold the same element type as the means outputs");
-  }
-  const void* const signature = &plan_detail::signature_of<TG, Means, Squares>;
-  if (p != nullptr && opts.layout != nullptr) {
-    plan_access::ready(*p) = false;
-    throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
-  }
-  if constexpr (static_tensor<G> && static_tensor<OT>) {
-    using S = tensor_value_t<G>;
-    using O = tensor_value_t<OT>;
-    static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
-    static_assert(supported_output<S, O>,
-                  "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
-    if (p != nullptr && matches_plan<S, O>(*p, signature, tg, means, squares, opts))
-      return average_planned<S, O>(*p, with_squares, opts);
-    return average_into_typed<S, O>(tg, means, squares, opts, p, signature);
-  } else {
-    if (p != nullptr && plan_access::ready(*p) && plan_access::signature(*p) == signature) {
-      // The element types the plan proved, confirmed buffer by buffer by matches_plan.
-      const call_elements kept{plan_access::gradients(*p), plan_access::outputs(*p)};
-      bool matched = false;
-      const summary s = with_kernel_types<G, OT, false>(kept, true, [&]<class S, class O>() -> summary {
-        if (!matches_plan<S, O>(*p, signature, tg, means, squares, opts)) return {};
-        matched = true;
-        return average_planned<S, O>(*p, with_squares, opts);
-      });
-      if (matched) return s;
-    }
-    // Run-time element types: found and checked first, then the kernel of those types.
-    if (p != nullptr) plan_access::ready(*p) = false;
-    const std::size_t variable_count = validate_tower_counts(tg);
-    const call_elements e = validate_elements(tg, variable_count, &means, squares);
-    return with_kernel_types<G, OT, false>(e, true, [&]<class S, class O>() {
-      return average_into_typed<S, O>(tg, means, squares, opts, p, signature);
-    });
-  }
 }
 
 /// The allocating API's pass with gradients read as S (results of the same element type),
