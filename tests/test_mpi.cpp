@@ -38,6 +38,41 @@ using bfloat16 = Eigen::bfloat16;
 
 const mpi_session session;  // mpi_support.hpp
 
+/// Agreement collectives of the calls under count (the MPI profiling interface: these wrap the
+/// library's MPI_Allreduce and MPI_Allgather for the whole program).
+bool counting = false;
+int allreduce_calls = 0, allgather_calls = 0;
+
+}  // namespace
+
+extern "C" int MPI_Allreduce(const void* send, void* receive, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm) {
+  allreduce_calls += counting ? 1 : 0;
+  return PMPI_Allreduce(send, receive, count, type, op, comm);
+}
+
+extern "C" int MPI_Allgather(const void* send, int send_count, MPI_Datatype send_type, void* receive,
+                             int receive_count, MPI_Datatype receive_type, MPI_Comm comm) {
+  allgather_calls += counting ? 1 : 0;
+  return PMPI_Allgather(send, send_count, send_type, receive, receive_count, receive_type, comm);
+}
+
+namespace {
+
+/// Runs f and returns (MPI_Allreduce calls, MPI_Allgather calls) made while it ran.
+template <class F>
+std::pair<int, int> collectives_of(F&& f) {
+  allreduce_calls = allgather_calls = 0;
+  counting = true;
+  try {
+    f();
+  } catch (...) {
+    counting = false;
+    throw;
+  }
+  counting = false;
+  return {allreduce_calls, allgather_calls};
+}
+
 /// FNV-1a of the outputs' bytes.
 template <class S>
 std::uint64_t hash_of(const std::vector<std::vector<S>>& outputs) {
@@ -500,6 +535,143 @@ TEST_CASE("weights: one rank's may sum to 0 (its towers count for nothing); 0 ov
   none.weights = zeros;
   const std::string m = every_rank_throws<gradavg::weight_error>(w.local(), out, 0, none);
   CHECK(contains(m, "options.weights sum to 0 over the towers of every rank"));
+}
+
+// ---- Plans across processes. ----
+
+/// New values in the same buffers, as a training loop's backward pass writes them.
+template <class S>
+void next_step(world<S>& w, int step) {
+  for (std::size_t k = 0; k < w.data.size(); ++k)
+    for (std::size_t i = 0; i < w.data[k].size(); ++i)
+      for (std::size_t j = 0; j < w.data[k][i].size(); ++j)
+        w.data[k][i][j] = static_cast<S>(static_cast<float>((j * 13 + k * 7 + i + static_cast<std::size_t>(step) * 3) % 29) / 29.0f - 0.5f);
+}
+
+TEST_CASE("with a plan, each step after the first runs no agreement collective, and gives the bits of a call without") {
+  world<float> w({1, 7, 33, 1000, 5, 4097, 2}, {false, false, true, false, false, false, true}, layout(true), 31);
+  const std::size_t rank = static_cast<std::size_t>(world_rank());
+  const auto local = w.local();
+  auto means = w.outputs(), sq = w.outputs();
+  std::vector<double> weights(w.towers_of[rank], 1.5);
+  gradavg::plan step;
+  for (int s = 0; s < 5; ++s) {
+    INFO("step " << s);
+    next_step(w, s);
+    gradavg::mpi::options opts;
+    opts.fusion_bytes = 4 * 500;  // several buckets
+    if (s >= 3) {  // weights from step 3 on: their sums are gathered every step
+      weights[0] = 1.0 + s;
+      opts.weights = weights;
+    }
+    gradavg::summary planned;
+    const auto counts =
+        collectives_of([&] { planned = gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, means, sq, opts); });
+    // Collective 1 and collective 4 every step; collectives 2 and 3 on the first (and the header
+    // gather again once weights are passed, the step they appear included).
+    if (s == 0 || s == 3) {
+      CHECK(counts == std::pair<int, int>{s == 0 ? 3 : 2, 1});
+    } else {
+      CHECK(counts == std::pair<int, int>{2, s > 3 ? 1 : 0});
+    }
+    auto other = w.outputs(), other_sq = w.outputs();
+    const auto plain = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, other, other_sq, opts);
+    CHECK(hash_of(means) == hash_of(other));
+    CHECK(hash_of(sq) == hash_of(other_sq));
+    CHECK(planned.averaged == plain.averaged);
+    CHECK(planned.skipped == plain.skipped);
+    CHECK(planned.towers == w.total_towers());
+    if (s < 3) {
+      require_reference(w, means, false);
+      require_reference(w, sq, true);
+    }
+    CHECK(same_on_every_rank(hash_of(means) ^ hash_of(sq)));
+  }
+  CHECK(step.proofs() == 1);
+}
+
+TEST_CASE("with plans, one rank's changed buffer makes every rank agree again, and the results follow it") {
+  world<float> w({3, 40, 9}, {false, false, false}, layout(false, 2), 32);
+  auto local = w.local();
+  auto means = w.outputs();
+  gradavg::plan step;
+  gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, means);
+  const int last = world_size() - 1;
+  std::vector<float> moved(40, 0.25f);
+  // Every rank's copy of the world learns the values; the last rank reads them from a new buffer.
+  w.data[w.first_tower(static_cast<std::size_t>(last)) + 1][1] = moved;
+  if (world_rank() == last) local[1][1].first = &moved;
+  const auto counts = collectives_of([&] { gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, means); });
+  CHECK(counts == std::pair<int, int>{3, 1});
+  require_reference(w, means, false);
+  CHECK(same_on_every_rank(hash_of(means)));
+  CHECK(step.proofs() == (world_rank() == last ? 2u : 1u));
+  const auto again = collectives_of([&] { gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, means); });
+  CHECK(again == std::pair<int, int>{2, 0});
+}
+
+TEST_CASE("with plans, a gradient gone on one rank: missing_gradient_error on every rank, nothing written, no hang") {
+  const world<float> w({5, 6, 7}, {false, false, false}, layout(true), 33);
+  auto local = w.local();
+  auto out = w.outputs();
+  gradavg::plan step;
+  gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out);
+  gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out);
+  const auto kept = hash_of(out);
+  const int last = world_size() - 1;
+  // Absent on one tower of the last rank, then on all of them (the other ranks' plans hold: their
+  // own presence is still compared with the last rank's).
+  for (const bool every_tower : {false, true}) {
+    if (world_rank() == last)
+      for (std::size_t k = 0; k < (every_tower ? local.size() : 1); ++k) local[k][1].first = nullptr;
+    try {
+      gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out);
+      FAIL("did not throw");
+    } catch (const gradavg::missing_gradient_error& e) {
+      CHECK(contains(e.what(), "variable #1 'v1'"));
+    }
+    CHECK(hash_of(out) == kept);
+  }
+  // Back in place: every rank agrees again, and the plans hold from then on.
+  if (world_rank() == last)
+    for (std::size_t k = 0; k < local.size(); ++k)
+      local[k][1].first = &w.data[w.first_tower(static_cast<std::size_t>(last)) + k][1];
+  CHECK(collectives_of([&] { gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out); }) ==
+        std::pair<int, int>{3, 1});
+  CHECK(collectives_of([&] { gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out); }) ==
+        std::pair<int, int>{2, 0});
+  require_reference(w, out, false);
+}
+
+TEST_CASE("with plans: a rank without one, or options changed on every rank, means every collective that step") {
+  const world<double> w({17, 300}, {false, false}, layout(true), 34);
+  const auto local = w.local();
+  auto out = w.outputs();
+  gradavg::plan step;
+  const bool with_plan = world_rank() != 0;
+  auto call = [&](const gradavg::mpi::options& opts) {
+    return collectives_of([&] {
+      if (with_plan) gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, out, opts);
+      else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts);
+    });
+  };
+  for (int s = 0; s < 3; ++s) CHECK(call({}) == std::pair<int, int>{3, 1});
+  require_reference(w, out, false);
+  // Every rank with a plan now; the scale changes on every rank at step 2.
+  gradavg::plan all_ranks;
+  auto planned = [&](double scale) {
+    gradavg::mpi::options opts;
+    opts.scale = scale;
+    return collectives_of([&] { gradavg::mpi::average_gradients_into(all_ranks, MPI_COMM_WORLD, local, out, opts); });
+  };
+  CHECK(planned(1.0) == std::pair<int, int>{3, 1});
+  CHECK(planned(1.0) == std::pair<int, int>{2, 0});
+  CHECK(planned(0.5) == std::pair<int, int>{3, 1});
+  CHECK(planned(0.5) == std::pair<int, int>{2, 0});
+  for (std::size_t i = 0; i < w.sizes.size(); ++i) {
+    const auto want = w.expected(i, false);
+    for (std::size_t j = 0; j < want.size(); ++j) CHECK(out[i][j] == Approx(0.5 * want[j]).margin(1e-12));
+  }
 }
 
 TEST_CASE("a gradient missing on one tower of the last rank: missing_gradient_error on every rank") {

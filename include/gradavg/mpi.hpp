@@ -18,9 +18,11 @@
 //     then reads every pointer it will use into tables and sizes its buffers. Every tensor_traits
 //     call (two per gradient: validation, then the tables) and every allocation of the call
 //     happens here.
-//   - Collective 1 (one integer, on the stack): the lowest rank whose local phase threw; that
+//   - Collective 1 (two integers, on the stack): the lowest rank whose local phase threw; that
 //     rank rethrows its own exception (a gradavg::error, std::bad_alloc, or user code's own),
-//     every other rank throws remote_error naming it. Nothing written anywhere.
+//     every other rank throws remote_error naming it. Nothing written anywhere. The second
+//     integer says whether every rank's plan holds (calls with a plan, below): then collectives 2
+//     (unless weights are passed) and 3 are not run again.
 //   - Collectives 2 and 3 (a fixed header per rank; then O(V) integers reduced with MPI_MAX: per
 //     variable its presence state and fingerprints of its shape and, where the variable type is a
 //     string or arithmetic type, of its identity; variables of other types are compared by shape
@@ -63,6 +65,8 @@
 // without one, each call allocates its own.
 #pragma once
 
+#include <concepts>
+
 #include "average.hpp"
 #include "detail/mpi_call.hpp"
 #include "mpi_options.hpp"
@@ -85,6 +89,28 @@ template <tower_gradients TG, class Means, class Squares>
 summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
                                const mpi::options& opts = {}) {
   return mpi_detail::average_into(comm, tower_grads, means, &squares, opts);
+}
+
+/// As above, keeping in p this rank's proof (plan.hpp) and what every rank agreed: while every
+/// rank's plan holds (its buffers are the proved ones, its options those it agreed with, on the
+/// same communicator), a call runs collective 1, the data path and collective 4 only (and
+/// collective 2 where weights are passed: their sums change from step to step); the
+/// agreement on variables, presence and shapes is not repeated. Every rank passes a plan, or
+/// none does; the first call with a plan, and any call where one rank's plan does not hold, runs
+/// every collective on every rank. (P is plan: calls without a plan never try this overload.)
+template <std::same_as<plan> P, tower_gradients TG, class Means>
+  requires gradavg::detail::output_range<Means&>
+summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means&& means,
+                               const mpi::options& opts = {}) {
+  return mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, nullptr, &p);
+}
+
+/// As above, with squares.
+template <std::same_as<plan> P, tower_gradients TG, class Means, class Squares>
+  requires gradavg::detail::output_range<Means&> && gradavg::detail::output_range<Squares&>
+summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
+                               const mpi::options& opts = {}) {
+  return mpi_detail::average_into(comm, tower_grads, means, &squares, opts, nullptr, &p);
 }
 
 /// The allocating form: gradavg::average_gradients over every rank's towers.

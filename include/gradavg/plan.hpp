@@ -15,6 +15,11 @@
 // passes. A failed call empties the plan.
 //
 // The options are checked on every call (weights and scale may change from step to step).
+//
+// Across processes (gradavg::mpi::average_gradients_into with a plan), the plan also keeps what
+// every rank agreed when it was proved: while every rank's plan holds, the agreement on options,
+// variables, presence and shapes is not repeated (mpi.hpp).
+//
 // Not thread-safe: one plan serves one call at a time. Copying gives an independent plan.
 // Shared by every instruction-set level of a program (it holds pointers and sizes only).
 #pragma once
@@ -53,7 +58,10 @@ class plan {
   [[nodiscard]] std::uint64_t proofs() const noexcept { return proofs_; }
 
   /// Forgets the proof (memory is kept for reuse): the next call runs every check.
-  void clear() noexcept { ready_ = false; }
+  void clear() noexcept {
+    ready_ = false;
+    agreed_.clear();
+  }
 
  private:
   friend struct plan_detail::plan_access;
@@ -72,6 +80,7 @@ class plan {
   bool squares_ = false;
   bool ready_ = false;
   std::uint64_t proofs_ = 0;
+  std::vector<std::uint64_t> agreed_;  // across processes: what the ranks agreed (empty: nothing)
 };
 
 namespace plan_detail {
@@ -92,6 +101,7 @@ struct plan_access {
   static bool& squares(plan& p) noexcept { return p.squares_; }
   static bool& ready(plan& p) noexcept { return p.ready_; }
   static std::uint64_t& proofs(plan& p) noexcept { return p.proofs_; }
+  static std::vector<std::uint64_t>& agreed(plan& p) noexcept { return p.agreed_; }
 };
 
 }  // namespace plan_detail

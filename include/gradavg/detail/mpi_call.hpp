@@ -6,7 +6,9 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <exception>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -35,6 +37,8 @@ struct call {
   Squares* squares;
   const mpi::options& opts;
   workspace_detail::buffers& work;
+  plan* planned = nullptr;  // the caller's plan, or null
+  bool plan_holds = false;  // this rank's plan holds (local_checks)
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
   // The first MPI call of the data path that returned an error: thrown after the last collective
@@ -46,6 +50,76 @@ struct call {
   }
 
   // ---- Agreement. ----
+
+  /// A plan's agreed words: [communicator, ranks, rank, variables] [this rank's header as sent]
+  /// [every rank's header] [the reduced per-variable words] [this rank's own per-variable words].
+  static constexpr std::size_t agreed_prefix = 4;
+  std::size_t agreed_words() const noexcept {
+    return agreed_prefix + (static_cast<std::size_t>(ranks) + 1) * header_words + 2 * variables * variable_words;
+  }
+  std::uint64_t comm_bits() const noexcept {
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &comm, std::min(sizeof comm, sizeof bits));
+    return bits;
+  }
+
+  /// Whether this rank's plan holds: its buffers are the ones it proved (matches_plan), and its
+  /// header the one it sent when every rank agreed on this communicator, except the weight sums
+  /// where weights are passed (collective 2 gathers them again).
+  bool plan_holds_here(std::uint64_t* header) {
+    using gradavg::detail::plan_access;
+    if (planned == nullptr ||
+        !gradavg::detail::matches_plan<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, means,
+                                             squares, opts))
+      return false;
+    if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
+    const std::vector<std::uint64_t>& agreed = plan_access::agreed(*planned);
+    if (agreed.size() != agreed_words() || agreed[0] != comm_bits() || agreed[1] != static_cast<std::uint64_t>(ranks) ||
+        agreed[2] != static_cast<std::uint64_t>(rank) || agreed[3] != variables)
+      return false;
+    for (std::size_t f = 0; f < header_words; ++f)
+      if (header[f] != agreed[agreed_prefix + f] &&
+          (opts.weights.empty() || (f != h_weight_sum && f != h_weighted_towers)))
+        return false;
+    return true;
+  }
+
+  /// After every rank agreed: the plan keeps it (its room was reserved by local_checks).
+  void keep_agreement(const std::uint64_t* header) noexcept {
+    std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
+    agreed.resize(agreed_words());
+    agreed[0] = comm_bits();
+    agreed[1] = static_cast<std::uint64_t>(ranks);
+    agreed[2] = static_cast<std::uint64_t>(rank);
+    agreed[3] = variables;
+    const std::size_t P = static_cast<std::size_t>(ranks);
+    std::copy(header, header + header_words, agreed.begin() + agreed_prefix);
+    std::copy(work.words.begin(), work.words.begin() + P * header_words, agreed.begin() + agreed_prefix + header_words);
+    const std::size_t vw = variables * variable_words;
+    const std::uint64_t* own = work.words.data() + P * header_words;
+    std::copy(own + vw, own + 2 * vw, agreed.begin() + agreed_prefix + (P + 1) * header_words);
+    std::copy(own, own + vw, agreed.begin() + agreed_prefix + (P + 1) * header_words + vw);
+  }
+
+  /// Where the agreed words of a plan that holds go back (work.words' layout, local_checks):
+  /// this rank's own per-variable words before collective 1 (collective 3 needs them if another
+  /// rank's plan does not hold), and after it, when every rank's holds, the headers and the
+  /// reduced words the data path reads.
+  void restore_own_words() noexcept {
+    const std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
+    const std::size_t P = static_cast<std::size_t>(ranks), vw = variables * variable_words;
+    const auto own = agreed.begin() + static_cast<std::ptrdiff_t>(agreed_prefix + (P + 1) * header_words + vw);
+    std::copy(own, own + static_cast<std::ptrdiff_t>(vw), work.words.begin() + static_cast<std::ptrdiff_t>(P * header_words));
+  }
+  void restore_agreement() noexcept {
+    const std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
+    const std::size_t P = static_cast<std::size_t>(ranks), vw = variables * variable_words;
+    const auto headers = agreed.begin() + static_cast<std::ptrdiff_t>(agreed_prefix + header_words);
+    std::copy(headers, headers + static_cast<std::ptrdiff_t>(P * header_words), work.words.begin());
+    const auto reduced = headers + static_cast<std::ptrdiff_t>(P * header_words);
+    std::copy(reduced, reduced + static_cast<std::ptrdiff_t>(vw),
+              work.words.begin() + static_cast<std::ptrdiff_t>(P * header_words + vw));
+  }
 
   /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
   /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
@@ -87,13 +161,35 @@ struct call {
         if (opts.fusion_bytes != 0 && (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+        if (planned != nullptr && opts.layout != nullptr)
+          throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
+        if (plan_holds_here(header)) {
+          plan_holds = true;
+          gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
+          restore_own_words();
+          prepare();
+          return failure;
+        }
+        gradavg::options checked = opts;
+        if (planned != nullptr) {
+          gradavg::detail::plan_access::ready(*planned) = false;  // until this call's checks pass
+          checked.layout = &gradavg::detail::plan_access::proof(*planned);
+        }
+        bool proved = true;
+        gradavg::detail::validated v;
         try {
           gradavg::detail::check_scratch scratch;
-          gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
+          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, checked, scratch);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
+          proved = false;
         }
         gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
+        if (planned != nullptr && proved) {
+          gradavg::detail::keep_proof<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, v,
+                                            with_squares, opts.aliasing);
+          gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
+        }
         std::uint64_t* w = work.words.data() + ranks * header_words;
         bool any_present = false;
         for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
@@ -759,24 +855,29 @@ struct call {
 
   /// The call, in phases: local (validation, tables, buffers: everything that can throw before
   /// the data moves), then four collectives every rank enters whatever happened before each:
-  ///   1. one word, MPI_MIN: the lowest rank whose local phase failed (and its variable); on the
-  ///      stack, so that a failed allocation cannot keep a rank out of it;
+  ///   1. two words, MPI_MIN: the lowest rank whose local phase failed (and its variable), and
+  ///      whether every rank's plan holds; on the stack, so that a failed allocation cannot keep a
+  ///      rank out of it;
   ///   2. the headers (MPI_Allgather): options, counts and element types agree;
   ///   3. the per-variable words (MPI_Allreduce, MPI_MAX): presence, shapes, identities agree;
   ///   4. after the data path, one word: the lowest rank whose kernel (executor) threw.
-  /// Between 1 and 4 nothing allocates or calls tensor_traits unless every rank throws after the
-  /// same collective.
+  /// When every rank's plan holds, 3 is what they agreed when the plans were proved, and so is 2
+  /// unless weights are passed (their sums change from step to step). Between 1 and 4 nothing
+  /// allocates or calls tensor_traits unless every rank throws after the same collective.
   summary operator()(std::exception_ptr prior) {
     rank = comm_rank(comm);
     ranks = comm_size(comm);
     std::uint64_t header[header_words];
     std::size_t failed_variable = error::npos;
     const std::exception_ptr own = local_checks(prior, header, &failed_variable);
-    // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones.
+    // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones; and 1
+    // when every rank's plan holds.
     constexpr std::uint64_t none = ~std::uint64_t{0};
-    std::uint64_t first_failure =
-        own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none;
-    check(MPI_Allreduce(MPI_IN_PLACE, &first_failure, 1, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    std::uint64_t first[2] = {
+        own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none,
+        !own && plan_holds ? 1u : 0u};
+    check(MPI_Allreduce(MPI_IN_PLACE, first, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    const std::uint64_t first_failure = first[0];
     if (own) std::rethrow_exception(own);
     if (first_failure != none) {
       const std::uint64_t var = first_failure & 0xffffffffu;
@@ -788,6 +889,15 @@ struct call {
                                                             "; see the error thrown there") +
                              "); nothing was averaged or written on any rank",
                          variable);
+    }
+    if (first[1] == 1) {
+      restore_agreement();
+      if (!opts.weights.empty()) {
+        check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
+              "MPI_Allgather");
+        agree_on_headers(work.words.data());
+      }
+      return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return run<Acc>(); });
     }
     // Collective 2: every rank's header. After it, every rank holds the same variable count
     // (or throws).
@@ -801,21 +911,22 @@ struct call {
     if (vw != 0)
       check(MPI_Allreduce(local, local + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
     if (const auto [i, how] = first_disagreement(local + vw, variables); how != 0) throw_variable_error(i, how);
+    if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) keep_agreement(header);
     return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return run<Acc>(); });
   }
 };
 
 template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
-                           std::exception_ptr prior) {
+                           std::exception_ptr prior, plan* planned) {
   workspace own;
   workspace_detail::buffers& work = workspace_detail::access::of(opts.work ? *opts.work : own);
-  return call<TG, Means, Squares, S, O>{comm, tg, means, squares, opts, work}(prior);
+  return call<TG, Means, Squares, S, O>{comm, tg, means, squares, opts, work, planned}(prior);
 }
 
 template <class TG, class Means, class Squares>
 summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
-                     std::exception_ptr prior = nullptr) {
+                     std::exception_ptr prior = nullptr, plan* planned = nullptr) {
   using G = gradavg::detail::gradient_tensor_t<TG>;
   using OT = gradavg::detail::output_tensor_t<Means&>;
   check_communicator(comm);
@@ -829,7 +940,7 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
     using O = tensor_value_t<OT>;
     static_assert(gradavg::detail::supported_output<S, O>,
                   "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
-    return average_into_typed<S, O>(comm, tg, means, squares, opts, prior);
+    return average_into_typed<S, O>(comm, tg, means, squares, opts, prior, planned);
   } else {
     // Run-time element types: this rank's are found first (a failure still takes part in the
     // agreement, as prior), then every rank runs the kernel of its types; the first collective
@@ -844,7 +955,7 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
       }
     }
     return gradavg::detail::with_kernel_types<G, OT, true>(e, !prior, [&]<class S, class O>() {
-      return average_into_typed<S, O>(comm, tg, means, squares, opts, prior);
+      return average_into_typed<S, O>(comm, tg, means, squares, opts, prior, planned);
     });
   }
 }

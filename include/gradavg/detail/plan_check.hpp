@@ -113,6 +113,7 @@ void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v
   A::proved(p) = aliasing;
   A::squares(p) = with_squares;
   A::ready(p) = true;
+  A::agreed(p).clear();  // a new local proof: the ranks have not agreed on it yet
   ++A::proofs(p);
 }
 
