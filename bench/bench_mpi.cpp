@@ -1,5 +1,6 @@
 // gradavg::mpi against the ways users average across processes today, on ResNet-50 and BERT-base
-// parameter layouts (model_shapes.hpp), float gradients, T towers per rank (--towers, default 1
+// parameter layouts (model_shapes.hpp) and small_1000x64 (1,000 variables of 64 floats: where the
+// per-call agreement weighs most), float gradients, T towers per rank (--towers, default 1
 // and 8), mean alone and mean + squares. Methods, each timed once per round, rounds interleaved:
 //   allreduce      one in-place MPI_Allreduce over the bytes gradavg moves (P floats, 2P with
 //                  squares), alone: the communication gradavg's local work would hide behind
@@ -15,15 +16,17 @@
 //   gradavg/F      gradavg::mpi::average_gradients_into with a workspace, fusion buffers of F MiB
 //                  (--fusion-mib, a comma-separated list; 0: automatic_fusion_bytes); with
 //                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange)
+//   gradavg/F/plan the first gradavg/F with a gradavg::plan kept across rounds (every call after
+//                  the first: no agreement collective); only with --plan 1 (the default)
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round. Every gradavg result (every fusion size,
 // every round) is hashed and compared across ranks and with the first: the bench exits 1 if any
 // differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
 // (MPI_Sendrecv, median of 5), reported in Gbit/s per direction.
 //
-//   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|all] [--towers 1,8]
+//   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
-//       [--schedules 0|1] [--point-to-point 0|1]
+//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1]
 #include <gradavg/gradavg.hpp>
 #include <gradavg/mpi.hpp>
 
@@ -59,6 +62,7 @@ struct config {
   bool horovod = false;
   bool schedules = false;
   bool point_to_point = false;
+  bool plan = true;
 };
 
 int rank_of() {
@@ -337,20 +341,26 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
     methods.push_back({"exchange_p2p", [&] { schedule(false); }});
     methods.push_back({"exchange_collectives", [&] { schedule(true); }});
   }
-  const std::size_t gradavg_methods = cfg.fusion_mib.size() * (cfg.point_to_point ? 2 : 1);
+  const std::size_t gradavg_methods = cfg.fusion_mib.size() * (cfg.point_to_point ? 2 : 1) + (cfg.plan ? 1 : 0);
   std::vector<gradavg::mpi::workspace> work(gradavg_methods);
+  gradavg::plan plan;
   for (std::size_t f = 0; f < gradavg_methods; ++f) {
-    const int mib = cfg.fusion_mib[f % cfg.fusion_mib.size()];
-    const bool point_to_point = f >= cfg.fusion_mib.size();
+    const bool planned = cfg.plan && f + 1 == gradavg_methods;
+    const int mib = cfg.fusion_mib[planned ? 0 : f % cfg.fusion_mib.size()];
+    const bool point_to_point = !planned && f >= cfg.fusion_mib.size();
     methods.push_back({"gradavg/" + (mib == 0 ? std::string("auto") : std::to_string(mib) + "MiB") +
-                           (point_to_point ? "/point_to_point" : ""),
-                       [&, mib, f, point_to_point] {
+                           (point_to_point ? "/point_to_point" : "") + (planned ? "/plan" : ""),
+                       [&, mib, f, point_to_point, planned] {
                          gradavg::mpi::options opts;
                          opts.work = &work[f];
                          opts.threads = cfg.threads;
                          opts.fusion_bytes = static_cast<std::size_t>(mib) << 20;
                          if (point_to_point) opts.exchange = gradavg::mpi::exchange_method::point_to_point;
-                         if (with_squares)
+                         if (planned && with_squares)
+                           gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
+                         else if (planned)
+                           gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, p.entries, p.means, opts);
+                         else if (with_squares)
                            gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
                          else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, opts);
                        },
@@ -388,10 +398,11 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
     const double bound = std::max(local, allreduce);
     std::printf("%-9s T=%d %-12s", m.name.c_str(), towers, with_squares ? "mean+squares" : "mean");
     for (std::size_t j = 0; j < methods.size(); ++j) {
-      std::printf("  %s %.1f", methods[j].name.c_str(), med[j]);
+      // Milliseconds to three significant digits (the small model's calls take tens of µs).
+      std::printf("  %s %.3g", methods[j].name.c_str(), med[j]);
       if (times[j].size() > 1) {
         const auto [lo, hi] = std::minmax_element(times[j].begin(), times[j].end());
-        std::printf(" [%.0f-%.0f]", *lo, *hi);
+        std::printf(" [%.3g-%.3g]", *lo, *hi);
       }
     }
     std::printf(" ms\n    %s: %.2fx allreduce, %.2fx max(local, allreduce); per_variable/gradavg %.2fx of %.2fx "
@@ -428,6 +439,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--horovod") c.horovod = std::atoi(v) != 0;
     else if (a == "--schedules") c.schedules = std::atoi(v) != 0;
     else if (a == "--point-to-point") c.point_to_point = std::atoi(v) != 0;
+    else if (a == "--plan") c.plan = std::atoi(v) != 0;
     else return false;
   }
   const auto positive = [](int x) { return x > 0; };
@@ -460,7 +472,9 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
   }
   bool same = true;
-  for (const model_shapes& m : {gradavg_bench::resnet50_shapes(), gradavg_bench::bert_base_shapes()}) {
+  model_shapes small{"small_1000x64", {}, 1000, 64'000};
+  for (int i = 0; i < 1000; ++i) small.params.push_back({std::to_string(i), {64}});
+  for (const model_shapes& m : {gradavg_bench::resnet50_shapes(), gradavg_bench::bert_base_shapes(), small}) {
     if (cfg.model != "all" && cfg.model != m.name) continue;
     for (int towers : cfg.towers)
       for (int sq : {0, 1})
