@@ -106,9 +106,9 @@ layout random_layout(std::mt19937& gen, std::size_t arena) {
   return l;
 }
 
-/// Runs average_gradients_into on the layout; returns whether it threw aliasing_error, and
-/// requires the arena unchanged when it did.
-bool rejected(const layout& l, std::vector<float>& arena, const gradavg::options& opts) {
+/// Runs average_gradients_into on the layout (with plan p when given); returns whether it threw
+/// aliasing_error, and requires the arena unchanged when it did.
+bool rejected(const layout& l, std::vector<float>& arena, const gradavg::options& opts, gradavg::plan* p = nullptr) {
   span_towers tg(l.towers);
   for (std::size_t k = 0; k < l.towers; ++k)
     for (std::size_t i = 0; i < l.sizes.size(); ++i)
@@ -120,7 +120,11 @@ bool rejected(const layout& l, std::vector<float>& arena, const gradavg::options
   }
   const auto before = arena;
   try {
-    if (l.with_squares)
+    if (p != nullptr && l.with_squares)
+      gradavg::average_gradients_into(*p, tg, means, squares, opts);
+    else if (p != nullptr)
+      gradavg::average_gradients_into(*p, tg, means, opts);
+    else if (l.with_squares)
       gradavg::average_gradients_into(tg, means, squares, opts);
     else
       gradavg::average_gradients_into(tg, means, opts);
@@ -179,10 +183,11 @@ TEST_CASE("an in-place means output may not overlap the same variable's gradient
   CHECK(out == std::vector<float>(4, 1.0f));
 }
 
-TEST_CASE("the full check agrees with a brute-force model on random layouts, with and without a layout_cache") {
+TEST_CASE("the full check agrees with a brute-force model on random layouts, with and without a layout_cache or a plan") {
   std::mt19937 gen(20261130u);
   constexpr std::size_t arena_size = 48;
   gradavg::layout_cache cache;
+  gradavg::plan plan;
   std::size_t forbidden_count = 0, cache_flips = 0;
   bool previous_forbidden = false;
   for (int round = 0; round < 3000; ++round) {
@@ -195,6 +200,11 @@ TEST_CASE("the full check agrees with a brute-force model on random layouts, wit
     // The same layout twice through one cache: the second call may reuse the first's proof.
     CHECK(rejected(l, arena, {.layout = &cache}) == want);
     CHECK(rejected(l, arena, {.layout = &cache}) == want);
+    // The same through one plan: proved by the first call where the layout is allowed, kept by
+    // the second; every new layout is proved again.
+    CHECK(rejected(l, arena, {}, &plan) == want);
+    CHECK(rejected(l, arena, {}, &plan) == want);
+    CHECK(plan.ready() == !want);
     cache_flips += want != previous_forbidden ? 1 : 0;
     previous_forbidden = want;
   }

@@ -1,6 +1,7 @@
 // gradavg: layout_cache — scratch memory for average_gradients_into's overlap check, and the
 // buffer layout its last successful call proved free of forbidden overlaps. Owned by the caller,
-// passed as options.layout, reused across calls (typically one per training loop).
+// passed as options.layout, reused across calls (typically one per training loop). A plan
+// (plan.hpp) keeps this proof and the rest of the checks' too; prefer it in a training loop.
 //
 // Shared by every instruction-set level of a program (it holds pointers and sizes only).
 #pragma once
