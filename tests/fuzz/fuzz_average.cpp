@@ -1197,9 +1197,13 @@ class runner {
         fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but changed the arena");
       if (!per_variable_unchanged())
         fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but wrote options.per_variable");
-      return;
+    } else {
+      check_into(sum, ei.success_checked);
     }
-    check_into(sum, ei.success_checked);
+    check_planned(ti, sum, ei.success_checked, [&](gradavg::plan& p) {
+      return c_.pass_squares ? gradavg::average_gradients_into(p, tg, means, squares, opts)
+                             : gradavg::average_gradients_into(p, tg, means, opts);
+    });
   }
 
  private:
@@ -1212,6 +1216,46 @@ class runner {
   struct span_of {
     std::size_t lo, hi;
   };
+
+  /// The call again with a plan, from the inputs of the plain call, twice (the first proves, the
+  /// second reuses the proof): the plain call's outcome, and where the layout has no forbidden
+  /// overlap (checked: else the bits depend on the order of the writes) its arena bytes and
+  /// statistics, bit for bit.
+  template <class Call>
+  void check_planned(const std::optional<thrown>& plain, const gradavg::summary& plain_sum, bool checked,
+                     Call&& call) {
+    const std::vector<S> after(arena_, arena_ + c_.arena_size);
+    const std::vector<gradavg::variable_statistics> per_after = per_variable_;
+    gradavg::plan p;
+    for (int round = 0; round < 2; ++round) {
+      if (c_.arena_size != 0) std::memcpy(arena_, before_.data(), c_.arena_size * sizeof(S));
+      reset_per_variable();
+      gradavg::summary sum;
+      const auto t = outcome_of([&] { sum = call(p); });
+      const std::string what = "average_gradients_into with a plan (call " + std::to_string(round + 1) + ")";
+      if (t.has_value() != plain.has_value() || (t && t->kind != plain->kind))
+        fail(c_, what + ": " + (t ? name(t->kind) : "no error") + " where the call without one gave " +
+                     (plain ? name(plain->kind) : "no error"));
+      if (plain) {
+        if (!arena_unchanged()) fail(c_, what + " threw but changed the arena");
+        return;  // a failed call empties the plan: nothing more to reuse
+      }
+      if (!checked) continue;
+      if (c_.arena_size != 0 && std::memcmp(arena_, after.data(), c_.arena_size * sizeof(S)) != 0)
+        fail(c_, what + ": the arena differs from the call without a plan");
+      if (sum.averaged != plain_sum.averaged || sum.skipped != plain_sum.skipped ||
+          sum.nonfinite_variables != plain_sum.nonfinite_variables ||
+          std::memcmp(&sum.sum_mean_squared, &plain_sum.sum_mean_squared, sizeof(double)) != 0 ||
+          std::memcmp(&sum.sum_mean_of_squares, &plain_sum.sum_mean_of_squares, sizeof(double)) != 0)
+        fail(c_, what + ": the summary differs from the call without a plan");
+      for (std::size_t i = 0; i < per_variable_.size(); ++i)
+        if (per_variable_[i].nonfinite != per_after[i].nonfinite ||
+            std::memcmp(&per_variable_[i].sum_mean_squared, &per_after[i].sum_mean_squared, sizeof(double)) != 0 ||
+            std::memcmp(&per_variable_[i].sum_mean_of_squares, &per_after[i].sum_mean_of_squares, sizeof(double)) != 0)
+          fail(c_, what + ": options.per_variable[" + std::to_string(i) + "] differs from the call without a plan");
+    }
+    if (p.proofs() != 1) fail(c_, "a plan over unchanged buffers was proved " + std::to_string(p.proofs()) + " times");
+  }
 
   GRADAVG_FUZZ_UNTRACED bool arena_unchanged() const {
     return c_.arena_size == 0 || std::memcmp(arena_, before_.data(), c_.arena_size * sizeof(S)) == 0;
