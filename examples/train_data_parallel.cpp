@@ -84,6 +84,7 @@ int train(const config& cfg) {
   // In place: the means overwrite tower 0's gradients, which the update then reads.
   const parameters& mean_gradient = tower_gradient[0];
   auto means = outputs_of(tower_gradient[0]);
+  gradavg::plan plan;  // one per training loop
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet) {
@@ -116,8 +117,10 @@ int train(const config& cfg) {
       // estimates (McCandlish et al.) from the towers as small batches. Each step's estimates are
       // noisy; as the paper does, tr(Sigma) and |G|^2 are summed over the report interval and
       // their ratio reported.
+      // The plan keeps the first step's checks: the towers write into the same buffers every
+      // step, so later steps compare pointers and sizes only.
       const gradavg::summary summary = gradavg::average_gradients_into(
-          tower_grads, means, {.statistics = true, .samples_per_tower = static_cast<double>(shard_size)});
+          plan, tower_grads, means, {.statistics = true, .samples_per_tower = static_cast<double>(shard_size)});
       if (towers > 1) {
         trace_since_report += summary.noise().trace_covariance;
         gradient_squared_since_report += summary.noise().gradient_squared;

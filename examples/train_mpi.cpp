@@ -104,6 +104,7 @@ int train(const config& cfg, int rank, int ranks) {
   const int report_every = std::max(1, cfg.steps / 10);
   std::vector<float> tower_loss(static_cast<std::size_t>(towers));
   parameters full_batch_gradient;  // for the first step's check
+  gradavg::plan plan;  // one per training loop, on every rank
   const auto started = std::chrono::steady_clock::now();
   for (int step = 0; step < cfg.steps; ++step) {
     // This rank's towers: shards rank * towers ... of the global batch, one thread each.
@@ -122,7 +123,9 @@ int train(const config& cfg, int rank, int ranks) {
       loss_and_gradient(model, epoch.x.middleCols(batch_start, batch_size), epoch.y.segment(batch_start, batch_size),
                         full_batch_gradient);
 
-    const gradavg::summary summary = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tower_grads, means, opts);
+    // With a plan, steps after the first skip the agreement on variables and shapes.
+    const gradavg::summary summary =
+        gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, tower_grads, means, opts);
 
     if (step == 0) {
       const float difference = max_relative_difference(mean_gradient, full_batch_gradient);
