@@ -567,8 +567,8 @@ TEST_CASE("with a plan, each step after the first runs no agreement collective, 
     gradavg::summary planned;
     const auto counts =
         collectives_of([&] { planned = gradavg::mpi::average_gradients_into(step, MPI_COMM_WORLD, local, means, sq, opts); });
-    // Collective 1 and collective 4 every step; collectives 2 and 3 on the first (and the header
-    // gather again once weights are passed, the step they appear included).
+    // Collective 1 and collective 4 every step; collectives 2 and 3 on the first, and the
+    // headers gathered again (collective 2) on every step that passes weights.
     if (s == 0 || s == 3) {
       CHECK(counts == std::pair<int, int>{s == 0 ? 3 : 2, 1});
     } else {
@@ -643,7 +643,7 @@ TEST_CASE("with plans, a gradient gone on one rank: missing_gradient_error on ev
   require_reference(w, out, false);
 }
 
-TEST_CASE("with plans: a rank without one, or options changed on every rank, means every collective that step") {
+TEST_CASE("with plans: a rank without one means every collective; a new scale, or weights on one rank, the headers") {
   const world<double> w({17, 300}, {false, false}, layout(true), 34);
   const auto local = w.local();
   auto out = w.outputs();
@@ -657,21 +657,31 @@ TEST_CASE("with plans: a rank without one, or options changed on every rank, mea
   };
   for (int s = 0; s < 3; ++s) CHECK(call({}) == std::pair<int, int>{3, 1});
   require_reference(w, out, false);
-  // Every rank with a plan now; the scale changes on every rank at step 2.
+  // Every rank with a plan now. A new scale on every rank: the headers are gathered again that
+  // step (the agreement on the variables stands), and agreed from then on.
   gradavg::plan all_ranks;
-  auto planned = [&](double scale) {
+  const std::vector<double> unit(w.towers_of[static_cast<std::size_t>(world_rank())], 1.0);
+  auto planned = [&](double scale, bool weights_on_rank_0) {
     gradavg::mpi::options opts;
     opts.scale = scale;
+    if (weights_on_rank_0 && world_rank() == 0) opts.weights = unit;
     return collectives_of([&] { gradavg::mpi::average_gradients_into(all_ranks, MPI_COMM_WORLD, local, out, opts); });
   };
-  CHECK(planned(1.0) == std::pair<int, int>{3, 1});
-  CHECK(planned(1.0) == std::pair<int, int>{2, 0});
-  CHECK(planned(0.5) == std::pair<int, int>{3, 1});
-  CHECK(planned(0.5) == std::pair<int, int>{2, 0});
+  CHECK(planned(1.0, false) == std::pair<int, int>{3, 1});
+  CHECK(planned(1.0, false) == std::pair<int, int>{2, 0});
+  CHECK(planned(0.5, false) == std::pair<int, int>{2, 1});
+  CHECK(planned(0.5, false) == std::pair<int, int>{2, 0});
   for (std::size_t i = 0; i < w.sizes.size(); ++i) {
     const auto want = w.expected(i, false);
     for (std::size_t j = 0; j < want.size(); ++j) CHECK(out[i][j] == Approx(0.5 * want[j]).margin(1e-12));
   }
+  // Weights on rank 0 only (unit weights: the same means): every rank gathers the headers with it.
+  for (int s = 0; s < 2; ++s) CHECK(planned(0.5, true) == std::pair<int, int>{2, 1});
+  for (std::size_t i = 0; i < w.sizes.size(); ++i) {
+    const auto want = w.expected(i, false);
+    for (std::size_t j = 0; j < want.size(); ++j) CHECK(out[i][j] == Approx(0.5 * want[j]).margin(1e-12));
+  }
+  CHECK(all_ranks.proofs() == 1);
 }
 
 TEST_CASE("a gradient missing on one tower of the last rank: missing_gradient_error on every rank") {

@@ -21,8 +21,9 @@
 //   - Collective 1 (two integers, on the stack): the lowest rank whose local phase threw; that
 //     rank rethrows its own exception (a gradavg::error, std::bad_alloc, or user code's own),
 //     every other rank throws remote_error naming it. Nothing written anywhere. The second
-//     integer says whether every rank's plan holds (calls with a plan, below): then collectives 2
-//     (unless weights are passed) and 3 are not run again.
+//     integer says whether every rank's plan holds (calls with a plan, below): then collective 3
+//     is not run again, nor collective 2 unless a rank passes weights or changed its scale,
+//     range or samples_per_tower since the agreement.
 //   - Collectives 2 and 3 (a fixed header per rank; then O(V) integers reduced with MPI_MAX: per
 //     variable its presence state and fingerprints of its shape and, where the variable type is a
 //     string or arithmetic type, of its identity; variables of other types are compared by shape
@@ -94,8 +95,9 @@ summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& mea
 /// As above, keeping in p this rank's proof (plan.hpp) and what every rank agreed: while every
 /// rank's plan holds (its buffers are the proved ones, its options those it agreed with, on the
 /// same communicator), a call runs collective 1, the data path and collective 4 only (and
-/// collective 2 where weights are passed: their sums change from step to step); the
-/// agreement on variables, presence and shapes is not repeated. Every rank passes a plan, or
+/// collective 2 where a rank passes weights, whose sums change from step to step, or changed
+/// its scale, range or samples_per_tower); the agreement on variables, presence and shapes is
+/// not repeated. Every rank passes a plan, or
 /// none does; the first call with a plan, and any call where one rank's plan does not hold, runs
 /// every collective on every rank. (P is plan: calls without a plan never try this overload.)
 template <std::same_as<plan> P, tower_gradients TG, class Means>

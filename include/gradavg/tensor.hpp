@@ -38,6 +38,9 @@
 //     validation kept no layout (options.aliasing other than all, more than 256 buffers and no
 //     options.layout), and always by the allocating API (average_gradients). They must return
 //     what they returned during validation.
+//   - A call with a plan that holds its proof (plan.hpp) instead: present(), element(), data(),
+//     shape() and contiguous() of every gradient, and of every output of an averaged variable,
+//     once, on the calling thread; variable_traits not at all.
 //   - make() (allocating API only) after validation, on the calling thread, before the pass.
 // Any of them may throw. An exception thrown during validation propagates with nothing
 // written; one that derives from gradavg::error and names no variable (variable_index() is

@@ -38,7 +38,10 @@ struct call {
   const mpi::options& opts;
   workspace_detail::buffers& work;
   plan* planned = nullptr;  // the caller's plan, or null
-  bool plan_holds = false;  // this rank's plan holds (local_checks)
+  // This rank's plan (local_checks): 0 it does not hold (or there is none), 1 it holds but the
+  // headers must be gathered again (weights passed, or a value that may change from step to step
+  // differs from the agreed one), 2 it holds. Collective 1 takes the minimum over the ranks.
+  std::uint64_t plan_state = 0;
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
   // The first MPI call of the data path that returned an error: thrown after the last collective
@@ -63,25 +66,34 @@ struct call {
     return bits;
   }
 
-  /// Whether this rank's plan holds: its buffers are the ones it proved (matches_plan), and its
-  /// header the one it sent when every rank agreed on this communicator, except the weight sums
-  /// where weights are passed (collective 2 gathers them again).
-  bool plan_holds_here(std::uint64_t* header) {
+  /// Header fields that may change from step to step without a new agreement on the variables:
+  /// gathered again (collective 2) when they differ from the agreed ones.
+  static constexpr bool step_value(std::size_t f) noexcept {
+    return f == h_weight_sum || f == h_weighted_towers || f == h_scale || f == h_samples || f == h_range_begin ||
+           f == h_range_end;
+  }
+
+  /// This rank's plan_state: 0 unless its buffers are the ones it proved (matches_plan) and its
+  /// header, but for the step values, the one it sent when every rank agreed on this
+  /// communicator; then 1 where weights are passed or a step value differs, else 2.
+  std::uint64_t plan_state_here(std::uint64_t* header) {
     using gradavg::detail::plan_access;
     if (planned == nullptr ||
         !gradavg::detail::matches_plan<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, means,
                                              squares, opts))
-      return false;
+      return 0;
     if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
     const std::vector<std::uint64_t>& agreed = plan_access::agreed(*planned);
     if (agreed.size() != agreed_words() || agreed[0] != comm_bits() || agreed[1] != static_cast<std::uint64_t>(ranks) ||
         agreed[2] != static_cast<std::uint64_t>(rank) || agreed[3] != variables)
-      return false;
+      return 0;
+    bool step_values_differ = false;
     for (std::size_t f = 0; f < header_words; ++f)
-      if (header[f] != agreed[agreed_prefix + f] &&
-          (opts.weights.empty() || (f != h_weight_sum && f != h_weighted_towers)))
-        return false;
-    return true;
+      if (header[f] != agreed[agreed_prefix + f]) {
+        if (!step_value(f)) return 0;
+        step_values_differ = true;
+      }
+    return step_values_differ || !opts.weights.empty() ? 1 : 2;
   }
 
   /// After every rank agreed: the plan keeps it (its room was reserved by local_checks).
@@ -163,8 +175,8 @@ struct call {
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
         if (planned != nullptr && opts.layout != nullptr)
           throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
-        if (plan_holds_here(header)) {
-          plan_holds = true;
+        plan_state = plan_state_here(header);
+        if (plan_state != 0) {
           gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
           restore_own_words();
           prepare();
@@ -870,12 +882,12 @@ struct call {
     std::uint64_t header[header_words];
     std::size_t failed_variable = error::npos;
     const std::exception_ptr own = local_checks(prior, header, &failed_variable);
-    // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones; and 1
-    // when every rank's plan holds.
+    // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones; and the
+    // lowest plan_state.
     constexpr std::uint64_t none = ~std::uint64_t{0};
     std::uint64_t first[2] = {
         own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none,
-        !own && plan_holds ? 1u : 0u};
+        own ? 0u : plan_state};
     check(MPI_Allreduce(MPI_IN_PLACE, first, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
     const std::uint64_t first_failure = first[0];
     if (own) std::rethrow_exception(own);
@@ -890,12 +902,15 @@ struct call {
                              "); nothing was averaged or written on any rank",
                          variable);
     }
-    if (first[1] == 1) {
+    if (first[1] != 0) {
+      // Every rank's plan holds: the agreement on the variables stands; the headers are gathered
+      // again on every rank when one rank needs it.
       restore_agreement();
-      if (!opts.weights.empty()) {
+      if (first[1] == 1) {
         check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
               "MPI_Allgather");
         agree_on_headers(work.words.data());
+        keep_agreement(header);
       }
       return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return run<Acc>(); });
     }
