@@ -874,8 +874,9 @@ struct call {
   ///   3. the per-variable words (MPI_Allreduce, MPI_MAX): presence, shapes, identities agree;
   ///   4. after the data path, one word: the lowest rank whose kernel (executor) threw.
   /// When every rank's plan holds, 3 is what they agreed when the plans were proved, and so is 2
-  /// unless weights are passed (their sums change from step to step). Between 1 and 4 nothing
-  /// allocates or calls tensor_traits unless every rank throws after the same collective.
+  /// unless a rank passes weights (their sums change from step to step) or changed a step value
+  /// (step_value). Between 1 and 4 nothing allocates or calls tensor_traits unless every rank
+  /// throws after the same collective.
   summary operator()(std::exception_ptr prior) {
     rank = comm_rank(comm);
     ranks = comm_size(comm);
