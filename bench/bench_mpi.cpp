@@ -19,9 +19,9 @@
 //   gradavg/F/plan the first gradavg/F with a gradavg::plan kept across rounds (every call after
 //                  the first: no agreement collective); only with --plan 1 (the default)
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
-// median over --rounds rounds, after one warm-up round. Every gradavg result (every fusion size,
-// every round) is hashed and compared across ranks and with the first: the bench exits 1 if any
-// differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
+// median over --rounds rounds, after one warm-up round; each round starts one method later.
+// Every gradavg result (every fusion size, every round) is hashed and compared across ranks and
+// with the first: the bench exits 1 if any differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
 // (MPI_Sendrecv, median of 5), reported in Gbit/s per direction.
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
@@ -372,7 +372,10 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
   std::uint64_t reference = 0;
   bool same = true, have_reference = false;
   for (int round = 0; round <= cfg.rounds; ++round)
-    for (std::size_t j = 0; j < methods.size(); ++j) {
+    for (std::size_t n = 0; n < methods.size(); ++n) {
+      // Each round starts one method later: no method always follows the same one (a shaped
+      // link's token bucket, say, is left fuller by a slow method than by a fast one).
+      const std::size_t j = (n + static_cast<std::size_t>(round)) % methods.size();
       const double ms = time_once_ms(methods[j].f);
       if (round > 0) times[j].push_back(ms);
       if (!methods[j].checked) continue;
