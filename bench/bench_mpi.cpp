@@ -26,13 +26,17 @@
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
-//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1]
+//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--gap-ms N]
+// --gap-ms N: every rank sleeps N ms before each timed call, so that each starts on an idle link
+// (a shaped link's token bucket full, as after a training step's compute); default 0: back to
+// back, where a method that starts sending sooner finds the bucket emptier.
 #include <gradavg/gradavg.hpp>
 #include <gradavg/mpi.hpp>
 
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -42,6 +46,7 @@
 #include <random>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include <Eigen/Core>
@@ -63,6 +68,7 @@ struct config {
   bool schedules = false;
   bool point_to_point = false;
   bool plan = true;
+  int gap_ms = 0;
 };
 
 int rank_of() {
@@ -71,8 +77,10 @@ int rank_of() {
   return r;
 }
 
-/// The slowest rank's time of one call of f, in milliseconds.
-double time_once_ms(const std::function<void()>& f) {
+/// The slowest rank's time of one call of f, in milliseconds, after gap_ms of idle link (every
+/// rank sleeps, then a barrier).
+double time_once_ms(const std::function<void()>& f, int gap_ms = 0) {
+  if (gap_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
   MPI_Barrier(MPI_COMM_WORLD);
   const double start = MPI_Wtime();
   f();
@@ -376,7 +384,7 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
       // Each round starts one method later: no method always follows the same one (a shaped
       // link's token bucket, say, is left fuller by a slow method than by a fast one).
       const std::size_t j = (n + static_cast<std::size_t>(round)) % methods.size();
-      const double ms = time_once_ms(methods[j].f);
+      const double ms = time_once_ms(methods[j].f, cfg.gap_ms);
       if (round > 0) times[j].push_back(ms);
       if (!methods[j].checked) continue;
       const std::uint64_t h = hash_of(p.means) ^ (with_squares ? hash_of(p.squares) * 31 : 0);
@@ -443,6 +451,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--schedules") c.schedules = std::atoi(v) != 0;
     else if (a == "--point-to-point") c.point_to_point = std::atoi(v) != 0;
     else if (a == "--plan") c.plan = std::atoi(v) != 0;
+    else if (a == "--gap-ms") c.gap_ms = std::max(0, std::atoi(v));
     else return false;
   }
   const auto positive = [](int x) { return x > 0; };
