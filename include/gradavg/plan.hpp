@@ -66,18 +66,16 @@ class plan {
  private:
   friend struct plan_detail::plan_access;
 
-  layout_cache proof_;                  // the proved byte ranges, in layout_cache's order
+  layout_cache proof_;                  // the proved byte ranges in layout_cache's order, and the
+                                        // tower count and squares they were proved for
   std::vector<unsigned char> present_;  // per variable: whether its gradients are present
   const void* signature_ = nullptr;
-  std::size_t towers_ = 0;
   std::size_t variables_ = 0;
-  std::size_t averaged_ = 0;
-  std::size_t skipped_ = 0;
+  std::size_t averaged_ = 0;  // variables present (the others are skipped)
   std::size_t elements_ = 0;  // of every averaged variable
   element_type gradients_ = element_type::float32;
   element_type outputs_ = element_type::float32;
   alias_check proved_ = alias_check::none;  // the overlap check the proof passed
-  bool squares_ = false;
   bool ready_ = false;
   std::uint64_t proofs_ = 0;
   std::vector<std::uint64_t> agreed_;  // across processes: what the ranks agreed (empty: nothing)
@@ -90,15 +88,15 @@ struct plan_access {
   static layout_cache& proof(plan& p) noexcept { return p.proof_; }
   static std::vector<unsigned char>& present(plan& p) noexcept { return p.present_; }
   static const void*& signature(plan& p) noexcept { return p.signature_; }
-  static std::size_t& towers(plan& p) noexcept { return p.towers_; }
+  static std::size_t towers(plan& p) noexcept { return layout_detail::layout_cache_access::towers(p.proof_); }
+  static bool squares(plan& p) noexcept { return layout_detail::layout_cache_access::squares(p.proof_); }
   static std::size_t& variables(plan& p) noexcept { return p.variables_; }
   static std::size_t& averaged(plan& p) noexcept { return p.averaged_; }
-  static std::size_t& skipped(plan& p) noexcept { return p.skipped_; }
+  static std::size_t skipped(plan& p) noexcept { return p.variables_ - p.averaged_; }
   static std::size_t& elements(plan& p) noexcept { return p.elements_; }
   static element_type& gradients(plan& p) noexcept { return p.gradients_; }
   static element_type& outputs(plan& p) noexcept { return p.outputs_; }
   static alias_check& proved(plan& p) noexcept { return p.proved_; }
-  static bool& squares(plan& p) noexcept { return p.squares_; }
   static bool& ready(plan& p) noexcept { return p.ready_; }
   static std::uint64_t& proofs(plan& p) noexcept { return p.proofs_; }
   static std::vector<std::uint64_t>& agreed(plan& p) noexcept { return p.agreed_; }

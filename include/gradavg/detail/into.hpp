@@ -44,18 +44,13 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t towers = std::ranges::size(tg);
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
-  if (planned != nullptr) {
-    plan_access::ready(*planned) = false;  // until this call's checks pass
-    options kept = opts;
-    kept.layout = &plan_access::proof(*planned);
-    const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, kept, scratch);
-    validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-    keep_proof<S, O>(*planned, signature, tg, v, with_squares, opts.aliasing);
-    return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
-  }
-  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch);
+  options proving;         // with a plan: opts, the checks' layout kept in the plan
+  if (planned != nullptr) proving = proving_into(*planned, opts);
+  const validated v =
+      validate_into<TG, Means, Squares, S, O>(tg, means, squares, planned != nullptr ? proving : opts, scratch);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-  if (v.layout != nullptr)
+  if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.aliasing);
+  if (v.layout != nullptr)  // always with a plan
     return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
 
   pass_result pass;
@@ -102,10 +97,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
                   "gradavg: the squares outputs must hold the same element type as the means outputs");
   }
   const void* const signature = &plan_detail::signature_of<TG, Means, Squares>;
-  if (p != nullptr && opts.layout != nullptr) {
-    plan_access::ready(*p) = false;
-    throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
-  }
+  if (p != nullptr) check_no_layout_with(*p, opts);
   if constexpr (static_tensor<G> && static_tensor<OT>) {
     using S = tensor_value_t<G>;
     using O = tensor_value_t<OT>;

@@ -8,7 +8,6 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <iterator>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -54,12 +53,17 @@ struct call {
 
   // ---- Agreement. ----
 
-  /// A plan's agreed words: [communicator, ranks, rank, variables] [this rank's header as sent]
-  /// [every rank's header] [the reduced per-variable words] [this rank's own per-variable words].
+  /// A plan's agreed words, in order: [communicator, ranks, rank, variables], this rank's header
+  /// as sent, every rank's header, the reduced per-variable words, this rank's own per-variable
+  /// words; the *_at functions say where each part begins (work.words' own layout: local_checks).
   static constexpr std::size_t agreed_prefix = 4;
-  std::size_t agreed_words() const noexcept {
-    return agreed_prefix + (static_cast<std::size_t>(ranks) + 1) * header_words + 2 * variables * variable_words;
+  std::size_t variable_word_count() const noexcept { return variables * variable_words; }
+  std::size_t agreed_headers_at() const noexcept { return agreed_prefix + header_words; }
+  std::size_t agreed_reduced_at() const noexcept {
+    return agreed_headers_at() + static_cast<std::size_t>(ranks) * header_words;
   }
+  std::size_t agreed_own_at() const noexcept { return agreed_reduced_at() + variable_word_count(); }
+  std::size_t agreed_words() const noexcept { return agreed_own_at() + variable_word_count(); }
   std::uint64_t comm_bits() const noexcept {
     std::uint64_t bits = 0;
     std::memcpy(&bits, &comm, std::min(sizeof comm, sizeof bits));
@@ -104,33 +108,29 @@ struct call {
     agreed[1] = static_cast<std::uint64_t>(ranks);
     agreed[2] = static_cast<std::uint64_t>(rank);
     agreed[3] = variables;
-    const std::size_t P = static_cast<std::size_t>(ranks);
-    std::copy(header, header + header_words, agreed.begin() + agreed_prefix);
-    std::copy(work.words.begin(), work.words.begin() + P * header_words, agreed.begin() + agreed_prefix + header_words);
-    const std::size_t vw = variables * variable_words;
-    const std::uint64_t* own = work.words.data() + P * header_words;
-    std::copy(own + vw, own + 2 * vw, agreed.begin() + agreed_prefix + (P + 1) * header_words);
-    std::copy(own, own + vw, agreed.begin() + agreed_prefix + (P + 1) * header_words + vw);
+    const std::size_t headers = static_cast<std::size_t>(ranks) * header_words, vw = variable_word_count();
+    const std::uint64_t* own = work.words.data() + headers;
+    std::copy(header, header + header_words, agreed.data() + agreed_prefix);
+    std::copy(work.words.data(), work.words.data() + headers, agreed.data() + agreed_headers_at());
+    std::copy(own + vw, own + 2 * vw, agreed.data() + agreed_reduced_at());
+    std::copy(own, own + vw, agreed.data() + agreed_own_at());
   }
 
-  /// Where the agreed words of a plan that holds go back (work.words' layout, local_checks):
-  /// this rank's own per-variable words before collective 1 (collective 3 needs them if another
-  /// rank's plan does not hold), and after it, when every rank's holds, the headers and the
-  /// reduced words the data path reads.
+  /// Where the agreed words of a plan that holds go back in work.words: this rank's own
+  /// per-variable words before collective 1 (collective 3 needs them if another rank's plan does
+  /// not hold), and after it, when every rank's holds, the headers and the reduced words the data
+  /// path reads.
   void restore_own_words() noexcept {
-    const std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
-    const std::size_t P = static_cast<std::size_t>(ranks), vw = variables * variable_words;
-    const auto own = agreed.begin() + static_cast<std::ptrdiff_t>(agreed_prefix + (P + 1) * header_words + vw);
-    std::copy(own, own + static_cast<std::ptrdiff_t>(vw), work.words.begin() + static_cast<std::ptrdiff_t>(P * header_words));
+    const std::uint64_t* agreed = gradavg::detail::plan_access::agreed(*planned).data();
+    std::copy(agreed + agreed_own_at(), agreed + agreed_words(),
+              work.words.data() + static_cast<std::size_t>(ranks) * header_words);
   }
   void restore_agreement() noexcept {
-    const std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
-    const std::size_t P = static_cast<std::size_t>(ranks), vw = variables * variable_words;
-    const auto headers = agreed.begin() + static_cast<std::ptrdiff_t>(agreed_prefix + header_words);
-    std::copy(headers, headers + static_cast<std::ptrdiff_t>(P * header_words), work.words.begin());
-    const auto reduced = headers + static_cast<std::ptrdiff_t>(P * header_words);
-    std::copy(reduced, reduced + static_cast<std::ptrdiff_t>(vw),
-              work.words.begin() + static_cast<std::ptrdiff_t>(P * header_words + vw));
+    const std::uint64_t* agreed = gradavg::detail::plan_access::agreed(*planned).data();
+    const std::size_t headers = static_cast<std::size_t>(ranks) * header_words;
+    std::copy(agreed + agreed_headers_at(), agreed + agreed_reduced_at(), work.words.data());
+    std::copy(agreed + agreed_reduced_at(), agreed + agreed_own_at(),
+              work.words.data() + headers + variable_word_count());
   }
 
   /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
@@ -173,8 +173,7 @@ struct call {
         if (opts.fusion_bytes != 0 && (opts.fusion_bytes < sizeof(Buf) * 2 || opts.fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-        if (planned != nullptr && opts.layout != nullptr)
-          throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
+        if (planned != nullptr) gradavg::detail::check_no_layout_with(*planned, opts);
         plan_state = plan_state_here(header);
         if (plan_state != 0) {
           gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
@@ -182,16 +181,15 @@ struct call {
           prepare();
           return failure;
         }
-        gradavg::options checked = opts;
-        if (planned != nullptr) {
-          gradavg::detail::plan_access::ready(*planned) = false;  // until this call's checks pass
-          checked.layout = &gradavg::detail::plan_access::proof(*planned);
-        }
+        gradavg::options proving;  // with a plan: opts, the checks' layout kept in the plan
+        if (planned != nullptr) proving = gradavg::detail::proving_into(*planned, opts);
         bool proved = true;
         gradavg::detail::validated v;
         try {
           gradavg::detail::check_scratch scratch;
-          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, checked, scratch);
+          const gradavg::options& checked = opts;
+          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares,
+                                                                      planned != nullptr ? proving : checked, scratch);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
           proved = false;
@@ -199,7 +197,7 @@ struct call {
         gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
         if (planned != nullptr && proved) {
           gradavg::detail::keep_proof<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, v,
-                                            with_squares, opts.aliasing);
+                                            opts.aliasing);
           gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
         }
         std::uint64_t* w = work.words.data() + ranks * header_words;

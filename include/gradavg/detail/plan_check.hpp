@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "access.hpp"
+#include "../errors.hpp"
 #include "elements.hpp"
 #include "isa.hpp"
 #include "validate.hpp"
@@ -22,6 +23,23 @@ using gradavg::plan_detail::plan_access;
 /// How much of the overlap rules a check proves: none < same_variable < all.
 constexpr int alias_strength(alias_check a) noexcept {
   return a == alias_check::all ? 2 : a == alias_check::same_variable ? 1 : 0;
+}
+
+/// A call with a plan may not also pass a layout_cache (option_error; the plan is emptied).
+inline void check_no_layout_with(plan& p, const options& opts) {
+  if (opts.layout == nullptr) return;
+  plan_access::ready(p) = false;
+  throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
+}
+
+/// The options for validate_into in a call that proves into p: opts, with p's layout_cache as
+/// options.layout (the checks' layout, tower count and squares are kept there). p is empty until
+/// keep_proof.
+inline options proving_into(plan& p, const options& opts) {
+  plan_access::ready(p) = false;
+  options checked = opts;
+  checked.layout = &plan_access::proof(p);
+  return checked;
 }
 
 /// Whether output slot s holds exactly the bytes expected, writable as O.
@@ -91,11 +109,11 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
   return true;
 }
 
-/// Keeps in p what a call's full checks proved: v (whose layout is p's layout_cache's), and
-/// which variables are present. Called after every check has passed, before anything is written.
+/// Keeps in p what a call's full checks proved (options from proving_into): v, whose layout,
+/// tower count and squares validate_into left in p's layout_cache, and which variables are
+/// present. Called after every check has passed, before anything is written.
 template <class S, class O, class TG>
-void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v, bool with_squares,
-                alias_check aliasing) {
+void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v, alias_check aliasing) {
   using A = plan_access;
   using E = entry_t<TG>;
   auto& present = A::present(p);
@@ -103,15 +121,12 @@ void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v
   for (std::size_t i = 0; i < v.variables; ++i)
     present[i] = with_entry(tg, 0, i, [](const E& e) { return slot_present(entry_traits<E>::gradient(e)); }) ? 1 : 0;
   A::signature(p) = signature;
-  A::towers(p) = std::ranges::size(tg);
   A::variables(p) = v.variables;
   A::averaged(p) = v.averaged;
-  A::skipped(p) = v.skipped;
   A::elements(p) = v.elements;
   A::gradients(p) = element_of_type<S>();
   A::outputs(p) = element_of_type<O>();
   A::proved(p) = aliasing;
-  A::squares(p) = with_squares;
   A::ready(p) = true;
   A::agreed(p).clear();  // a new local proof: the ranks have not agreed on it yet
   ++A::proofs(p);
