@@ -324,10 +324,14 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 /// allocation), for the averaging call to rethrow, after agreeing on it with the other processes
 /// where there are any. agree(presence&, mopts): makes the replicas' presence that of every
 /// replica of every process (a no-op in one process), or unknown where the processes' parameter
-/// counts or dtypes differ; called on every call, known or not.
+/// counts or dtypes differ; called on every call, known or not. done: null, or the parameters
+/// (bits as presence's) averaged already (data_parallel's buckets), read as absent on every replica
+/// and left out of module_report::skipped.
 template <class Agree, class Average>
 module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
-                               const module_options& mopts, Agree&& agree, Average&& average) {
+                               const module_options& mopts, Agree&& agree, Average&& average,
+                               const std::vector<std::uint64_t>* done = nullptr) {
+  const auto averaged_already = [done](std::size_t i) { return done != nullptr && presence::has(*done, i); };
   const std::size_t k_count = replicas.size();
   // named_parameters() holds the names; the entries view them.
   std::vector<::torch::OrderedDict<std::string, at::Tensor>> params;
@@ -343,9 +347,11 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
     tg.resize(k_count);
     for (std::size_t k = 0; k < k_count; ++k) {
       tg[k].reserve(params[k].size());
-      for (const auto& item : params[k]) {
+      for (std::size_t i = 0; i < params[k].size(); ++i) {
+        const auto& item = params[k][i];
         const at::Tensor& p = item.value();
-        tg[k].emplace_back(p.requires_grad() ? p.grad() : at::Tensor(), std::string_view(item.key()));
+        const bool take = p.requires_grad() && !averaged_already(i);
+        tg[k].emplace_back(take ? p.grad() : at::Tensor(), std::string_view(item.key()));
       }
     }
     // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
@@ -469,7 +475,7 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
   }
   for (const auto& f : fills) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
   for (std::size_t i = 0; i < means.size(); ++i)
-    if (!means[i].defined()) result.skipped.emplace_back(tg[0][i].second);
+    if (!means[i].defined() && !averaged_already(i)) result.skipped.emplace_back(tg[0][i].second);
   copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, opts);
   return result;
 }

@@ -1,0 +1,412 @@
+// gradavg: libtorch, averaging while backward runs. data_parallel borrows K replicas of one
+// torch::nn::Module (each on its own thread, each with its own slice of the batch) and averages
+// their gradients in buckets: as soon as every replica's backward has produced every gradient of a
+// bucket, a worker thread averages it (the same call as average_module_gradients, over the
+// bucket's parameters), while the backward passes go on with earlier layers. When the last
+// backward returns, finish() averages the buckets still waiting beside the worker, then what no
+// bucket covered.
+// Link the CMake target gradavg::torch.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include "torch.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace libtorch {
+
+/// How data_parallel groups parameters into buckets.
+struct bucket_options {
+  /// A bucket holds consecutive parameters of one dtype, in reverse named_parameters() order (the
+  /// order in which backward usually produces them), until their gradients reach this many bytes
+  /// on one replica; a larger parameter is a bucket of its own. Smaller buckets start averaging
+  /// sooner after their gradients are produced; larger ones cost fewer calls.
+  std::size_t bytes = std::size_t{1} << 20;
+};
+
+/// Averages the gradients of K replicas of one model while their backward passes run, with the
+/// results of average_module_gradients(replicas, opts, mopts), bit for bit, in every replica's
+/// .grad(). Hooks on each parameter's gradient accumulator (the node that writes .grad()) count
+/// the gradients produced; the worker thread this object owns averages a bucket once all K
+/// replicas have produced all of it. Use, per step:
+///
+///   zero the gradients; run forward and backward on every replica (each on its own thread);
+///   once every backward has returned: const module_report r = dp.finish(); step the optimizers.
+///
+/// finish() waits for the buckets in flight, then averages every parameter no completed bucket
+/// covered (a parameter that took no part in the loss on some replica, a frozen one, or every
+/// parameter after a replica's backward threw) through average_module_gradients' rules: skipped
+/// when absent on every replica, missing_gradient_error or zeros (module_options::absent_as_zeros)
+/// when absent on some. Its report is that of the one-shot call. Buckets cover the parameters that
+/// require a gradient when the object is built; the replicas must be alike then (broadcast's
+/// checks: names, dtypes, shapes), and must not be rebuilt, moved or re-registered while it lives.
+///
+/// The fused options that sum over every parameter (include_square, statistics, per_variable,
+/// range) and options.layout are option_error here: use average_module_gradients for them. weights,
+/// scale, accumulate, on_nonfinite (counted in the report), threads, pool and streaming_stores
+/// apply to every bucket.
+///
+/// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
+/// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets
+/// averaged before keep their means; finish() throws the first bucket's error in bucket order, or
+/// the rest's error, after the step's state is reset (the object stays usable). A gradient produced
+/// twice by one replica since the last finish() (two backward passes without no_sync) is an error
+/// naming the parameter and the replica. If a replica's backward throws, call abandon() (or
+/// finish(), which then reports its missing gradients where they are undefined); nothing waits for
+/// a gradient that never comes, so no call hangs.
+///
+/// Thread-safety: the hooks may run on any thread; construction, finish(), abandon(), no_sync()
+/// and destruction run on one thread while no backward of these replicas runs. The destructor
+/// removes every hook and joins the worker.
+class data_parallel {
+ public:
+  data_parallel(std::span<::torch::nn::Module* const> replicas, const options& opts = {},
+                const module_options& mopts = {}, const bucket_options& buckets = {})
+      : replicas_(replicas.begin(), replicas.end()), opts_(opts), mopts_(mopts) {
+    check_options();
+    params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
+    parameter_count_ = params_.empty() ? 0 : params_[0].size();
+    assign_buckets(buckets);
+    for (auto& b : buckets_) max_bucket_ = std::max(max_bucket_, b.parameters.size());
+    for (scratch* s : {&worker_scratch_, &caller_scratch_}) {
+      s->towers.resize(replicas_.size());
+      for (auto& t : s->towers) t.reserve(max_bucket_);
+      s->means.reserve(max_bucket_);
+    }
+    ready_.reserve(buckets_.size());
+    produced_ = std::make_unique<std::atomic<std::uint8_t>[]>(replicas_.size() * parameter_count_);
+    pending_ = std::make_unique<std::atomic<std::size_t>[]>(buckets_.size());
+    reset_step();
+    add_hooks();
+    worker_ = std::thread([this] { work(); });
+  }
+
+  /// Any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder.
+  template <replica_range R>
+  explicit data_parallel(const R& replicas, const options& opts = {}, const module_options& mopts = {},
+                         const bucket_options& buckets = {})
+      : data_parallel(std::span<::torch::nn::Module* const>(detail::modules_of(replicas)), opts, mopts, buckets) {}
+
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+
+  ~data_parallel() {
+    remove_hooks();
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  /// Waits for the buckets in flight, averages the parameters no completed bucket covered, and
+  /// returns the report average_module_gradients would (counts, skipped and zero-filled names).
+  /// Resets the step's state, on success and on error.
+  module_report finish() {
+    wait_in_flight();
+    step_reset reset{*this};
+    for (std::size_t k = 0; k < replicas_.size(); ++k)
+      for (std::size_t i = 0; i < parameter_count_; ++i)
+        if (produced_[k * parameter_count_ + i].load(std::memory_order_relaxed) > 1)
+          throw error("gradavg::libtorch::data_parallel: replica " + std::to_string(k) + " produced the gradient of " +
+                          "parameter #" + std::to_string(i) + " '" + params_[0][i].key() +
+                          "' more than once since the last finish(); run one backward per replica per step, or "
+                          "accumulate micro-batches under no_sync()",
+                      i);
+    summary buckets_summary;
+    std::vector<std::uint64_t> done((parameter_count_ + 63) / 64, 0);
+    std::size_t done_count = 0;
+    overlapped_ = 0;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      bucket& bk = buckets_[b];
+      if (!bk.queued) continue;
+      ++overlapped_;
+      if (bk.failure) std::rethrow_exception(bk.failure);
+      buckets_summary.averaged += bk.result.averaged;
+      buckets_summary.nonfinite_variables += bk.result.nonfinite_variables;
+      buckets_summary.towers = bk.result.towers;
+      buckets_summary.weighted_towers = bk.result.weighted_towers;
+      buckets_summary.total_samples = bk.result.total_samples;
+      for (const std::size_t i : bk.parameters) {
+        detail::presence::set(done, i);
+        ++done_count;
+      }
+    }
+    if (done_count == parameter_count_ && done_count > 0) {
+      module_report all;
+      all.report = buckets_summary;
+      return all;
+    }
+    module_report rest = detail::average_replicas(
+        replicas_, opts_, mopts_, [](detail::presence&, const module_options&) {},
+        [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
+            std::span<variable_statistics>) {
+          if (prior) std::rethrow_exception(prior);
+          return average_gradients_into(tg, means, opts_);
+        },
+        &done);
+    rest.report.skipped -= std::min(rest.report.skipped, done_count);
+    rest.report.averaged += buckets_summary.averaged;
+    rest.report.nonfinite_variables += buckets_summary.nonfinite_variables;
+    return rest;
+  }
+
+  /// Forgets the step: waits for the buckets in flight (which keep their means) and resets, so
+  /// that the next backward starts a new step. For a step whose backward threw on some replica.
+  void abandon() {
+    wait_in_flight();
+    reset_step();
+  }
+
+  /// While a no_sync_scope lives, the hooks count nothing: backward passes accumulate into
+  /// .grad() (micro-batches), and the first backward after the scope averages the sums.
+  class no_sync_scope {
+   public:
+    explicit no_sync_scope(data_parallel& owner) noexcept : owner_(&owner) { owner_->sync_.store(false); }
+    no_sync_scope(const no_sync_scope&) = delete;
+    no_sync_scope& operator=(const no_sync_scope&) = delete;
+    ~no_sync_scope() { owner_->sync_.store(true); }
+
+   private:
+    data_parallel* owner_;
+  };
+  [[nodiscard]] no_sync_scope no_sync() noexcept { return no_sync_scope(*this); }
+
+  /// The buckets, each a list of parameter indices (named_parameters() order), in the order the
+  /// worker expects them: the first holds the last parameters.
+  [[nodiscard]] std::vector<std::vector<std::size_t>> buckets() const {
+    std::vector<std::vector<std::size_t>> out;
+    for (const auto& b : buckets_) out.push_back(b.parameters);
+    return out;
+  }
+
+  /// Buckets of the last finish()ed step that the hooks handed to the worker while backward ran
+  /// (the others were averaged by finish()).
+  [[nodiscard]] std::size_t overlapped_buckets() const noexcept { return overlapped_; }
+
+ private:
+  struct bucket {
+    std::vector<std::size_t> parameters;
+    bool queued = false;
+    summary result;
+    std::exception_ptr failure;
+  };
+
+  /// Called by the hook of replica k's parameter i once its .grad() holds this backward's sum.
+  class ready_hook final : public ::torch::autograd::FunctionPostHook {
+   public:
+    ready_hook(data_parallel& owner, std::size_t replica, std::size_t parameter, std::size_t bucket) noexcept
+        : owner_(&owner), replica_(replica), parameter_(parameter), bucket_(bucket) {}
+    ::torch::autograd::variable_list operator()(const ::torch::autograd::variable_list& outputs,
+                                                const ::torch::autograd::variable_list&) override {
+      owner_->produced(replica_, parameter_, bucket_);
+      return outputs;
+    }
+
+   private:
+    data_parallel* owner_;
+    std::size_t replica_, parameter_, bucket_;
+  };
+
+  /// The towers and outputs of one bucket's call, kept from call to call.
+  struct scratch {
+    std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> towers;
+    std::vector<at::Tensor> means;
+  };
+
+  struct hook_handle {
+    std::shared_ptr<::torch::autograd::Node> accumulator;
+    std::uintptr_t key;
+  };
+
+  /// Resets the step's state when finish() returns or throws.
+  struct step_reset {
+    data_parallel& owner;
+    ~step_reset() { owner.reset_step(); }
+  };
+
+  void check_options() const {
+    const char* what = nullptr;
+    if (opts_.include_square) what = "options.include_square";
+    else if (opts_.statistics) what = "options.statistics";
+    else if (!opts_.per_variable.empty()) what = "options.per_variable";
+    else if (opts_.range.begin != 0 || opts_.range.end != element_range{}.end) what = "options.range";
+    else if (opts_.layout != nullptr) what = "options.layout";
+    if (what != nullptr)
+      throw option_error(std::string("gradavg::libtorch::data_parallel: ") + what +
+                         " is not available with buckets (it spans every parameter); use average_module_gradients");
+    for (std::size_t k = 0; k < replicas_.size(); ++k)
+      if (replicas_[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+  }
+
+  /// Buckets in reverse parameter order over the parameters that require a gradient on replica 0.
+  void assign_buckets(const bucket_options& opt) {
+    if (params_.empty()) return;
+    std::size_t bytes = 0;
+    for (std::size_t n = parameter_count_; n-- > 0;) {
+      const at::Tensor& p = params_[0][n].value();
+      if (!p.defined() || !p.requires_grad()) continue;
+      const std::size_t size = p.nbytes();
+      if (buckets_.empty() || bytes + size > opt.bytes ||
+          params_[0][buckets_.back().parameters.back()].value().scalar_type() != p.scalar_type()) {
+        buckets_.emplace_back();
+        bytes = 0;
+      }
+      buckets_.back().parameters.push_back(n);
+      bytes += size;
+    }
+  }
+
+  void add_hooks() {
+    try {
+      for (std::size_t k = 0; k < replicas_.size(); ++k)
+        for (std::size_t b = 0; b < buckets_.size(); ++b)
+          for (const std::size_t i : buckets_[b].parameters) {
+            const at::Tensor& p = params_[k][i].value();
+            if (!p.requires_grad())
+              throw variable_mismatch_error("gradavg::libtorch::data_parallel: parameter #" + std::to_string(i) + " '" +
+                                                params_[0][i].key() + "' requires a gradient on replica 0 but not on replica " +
+                                                std::to_string(k),
+                                            i);
+            auto accumulator = ::torch::autograd::impl::grad_accumulator(p);
+            const std::uintptr_t key = accumulator->add_post_hook(std::make_unique<ready_hook>(*this, k, i, b));
+            hooks_.push_back({std::move(accumulator), key});
+          }
+    } catch (...) {
+      remove_hooks();
+      throw;
+    }
+  }
+
+  void remove_hooks() noexcept {
+    for (auto& h : hooks_) h.accumulator->del_post_hook(h.key);
+    hooks_.clear();
+  }
+
+  void produced(std::size_t replica, std::size_t parameter, std::size_t b) {
+    if (!sync_.load()) return;
+    std::atomic<std::uint8_t>& seen = produced_[replica * parameter_count_ + parameter];
+    if (seen.exchange(1) != 0) {  // a second backward: finish() reports it
+      seen.store(2);
+      return;
+    }
+    if (pending_[b].fetch_sub(1) != 1) return;
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      buckets_[b].queued = true;
+      ready_.push_back(b);  // reserved for every bucket: no allocation
+    }
+    wake_.notify_all();
+  }
+
+  void work() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return stop_ || next_ < ready_.size(); });
+      if (next_ < ready_.size()) {
+        average_next(lock, worker_scratch_);
+        continue;
+      }
+      if (stop_) return;
+    }
+  }
+
+  /// Takes the next ready bucket (lock held on entry and on return) and averages it unlocked.
+  void average_next(std::unique_lock<std::mutex>& lock, scratch& s) {
+    const std::size_t b = ready_[next_++];
+    lock.unlock();
+    average_bucket(buckets_[b], s);
+    lock.lock();
+    ++finished_;
+    idle_.notify_all();
+  }
+
+  /// The bucket's parameters averaged as average_module_gradients averages them: in place into
+  /// replica 0's gradients, then copied into the other replicas'.
+  void average_bucket(bucket& bk, scratch& s) noexcept {
+    try {
+      s.towers.resize(replicas_.size());
+      for (std::size_t k = 0; k < replicas_.size(); ++k) {
+        auto& tower = s.towers[k];
+        tower.clear();
+        for (const std::size_t i : bk.parameters)
+          tower.emplace_back(params_[k][i].value().grad(), std::string_view(params_[k][i].key()));
+      }
+      s.means.clear();
+      for (const auto& e : s.towers[0]) s.means.push_back(e.first);
+      bk.result = average_gradients_into(s.towers, s.means, opts_);
+      detail::copy_to_replicas(s.towers, s.means, 1, opts_);
+    } catch (...) {
+      bk.failure = std::current_exception();
+    }
+  }
+
+  /// Returns once every bucket handed to the worker is averaged; the calling thread averages
+  /// buckets that still wait, beside the worker.
+  void wait_in_flight() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    while (next_ < ready_.size()) average_next(lock, caller_scratch_);
+    idle_.wait(lock, [&] { return finished_ == ready_.size(); });
+  }
+
+  void reset_step() noexcept {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      ready_.clear();
+      next_ = 0;
+      finished_ = 0;
+    }
+    for (std::size_t i = 0; i < replicas_.size() * parameter_count_; ++i) produced_[i].store(0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      buckets_[b].queued = false;
+      buckets_[b].result = summary{};
+      buckets_[b].failure = nullptr;
+      pending_[b].store(replicas_.size() * buckets_[b].parameters.size());
+    }
+  }
+
+  std::vector<::torch::nn::Module*> replicas_;
+  options opts_;
+  module_options mopts_;
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> params_;
+  std::size_t parameter_count_ = 0;
+  std::vector<bucket> buckets_;
+  std::size_t max_bucket_ = 0;
+  std::vector<hook_handle> hooks_;
+  std::unique_ptr<std::atomic<std::uint8_t>[]> produced_;
+  std::unique_ptr<std::atomic<std::size_t>[]> pending_;
+  std::atomic<bool> sync_{true};
+  std::size_t overlapped_ = 0;
+
+  // The worker's queue: ready_[next_..) waits, ready_[..finished_) is done.
+  std::mutex mutex_;
+  std::condition_variable wake_, idle_;
+  std::vector<std::size_t> ready_;
+  std::size_t next_ = 0, finished_ = 0;
+  bool stop_ = false;
+  std::thread worker_;
+  scratch worker_scratch_, caller_scratch_;
+};
+
+}  // namespace libtorch
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
