@@ -3,19 +3,21 @@
 // 1,797 8x8 handwritten digits of scikit-learn's digits.csv (64 pixel values 0..16, then the
 // label). K replicas, each initialised on its own, start in sync through
 // gradavg::libtorch::broadcast_parameters and broadcast_buffers; each computes the gradient of its
-// slice of every batch on its own thread; average_module_gradients averages them into every
-// replica's .grad() and each replica's optimizer takes the same step; broadcast_buffers then gives
-// every replica replica 0's BatchNorm running statistics, as DistributedDataParallel does.
+// slice of every batch on its own thread; gradavg::libtorch::data_parallel averages them into every
+// replica's .grad(), bucket by bucket while the backward passes still run (--one-shot: with
+// average_module_gradients once they have all returned; the same bits), and each replica's
+// optimizer takes the same step; broadcast_buffers then gives every replica replica 0's BatchNorm
+// running statistics, as DistributedDataParallel does.
 //
 // Checks, each failing the program (exit 1): the first step's averaged gradient against the mean
 // of the slices' gradients computed one slice at a time by one model (max relative difference
 // under 1e-5), the convolution's gradient channels_last, every replica's parameters and buffers
 // identical at the end, and held-out accuracy (eval mode) of at least 90%.
 //
-//   train_torch_threads --data digits.csv [--replicas 4] [--epochs 40] [--quiet]
+//   train_torch_threads --data digits.csv [--replicas 4] [--epochs 40] [--one-shot] [--quiet]
 // scripts/fetch-digits.sh gets digits.csv (from Debian's python3-sklearn package). Exit 77 when
 // the data file is missing (ctest reports the example skipped).
-#include <gradavg/torch.hpp>
+#include <gradavg/torch_data_parallel.hpp>
 
 #include <torch/torch.h>
 
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -36,16 +39,17 @@ using namespace digits;  // the model, the data, the checks
 int main(int argc, char** argv) {
   std::string data_path;
   int replica_count = 4, epochs = 40;
-  bool quiet = false;
+  bool quiet = false, one_shot = false;
   for (int a = 1; a < argc; ++a) {
     const std::string_view arg = argv[a];
     std::optional<int> value;
-    if (arg == "--quiet") {
-      quiet = true;
+    if (arg == "--quiet" || arg == "--one-shot") {
+      (arg == "--quiet" ? quiet : one_shot) = true;
       continue;
     }
     if (a + 1 >= argc) {
-      std::fprintf(stderr, "usage: %s --data digits.csv [--replicas K] [--epochs N] [--quiet]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] [--quiet]\n",
+                   argv[0]);
       return 2;
     }
     const std::string_view next = argv[++a];
@@ -86,6 +90,11 @@ int main(int argc, char** argv) {
   std::vector<Net> replicas(k_count);
   gradavg::libtorch::broadcast_parameters(replicas);
   gradavg::libtorch::broadcast_buffers(replicas);
+  // Hooks on every replica's parameters; buckets of 2 KiB, as this model is small (about 10 KiB of
+  // parameters): bench/bench_torch_overlap.cpp measures the size for a larger one.
+  std::optional<gradavg::libtorch::data_parallel> overlapped;
+  if (!one_shot) overlapped.emplace(replicas, gradavg::options{}, gradavg::libtorch::module_options{},
+                                    gradavg::libtorch::bucket_options{.bytes = 2048});
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
   for (auto& r : replicas)
     optimizers.push_back(std::make_unique<torch::optim::SGD>(r->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
@@ -113,7 +122,7 @@ int main(int argc, char** argv) {
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = gradavg::libtorch::average_module_gradients(replicas);
+      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(replicas) : overlapped->finish();
       if (report.report.averaged != 6) {
         std::fprintf(stderr, "FAILED: %zu parameters averaged, 6 expected\n", report.report.averaged);
         return 1;
@@ -125,6 +134,9 @@ int main(int argc, char** argv) {
         std::printf("step 0: averaged gradient vs the slices' mean gradient: max relative difference %.3g "
                     "(tolerance %g); convolution gradient %s\n",
                     difference, gradient_tolerance, channels_last ? "channels_last" : "NOT channels_last");
+        if (overlapped)
+          std::printf("step 0: %zu of %zu buckets averaged while backward ran\n", overlapped->overlapped_buckets(),
+                      overlapped->buckets().size());
         if (!(difference <= gradient_tolerance) || !channels_last) {
           std::fprintf(stderr, "FAILED: the averaged gradient differs from the reference, or is not channels_last\n");
           return 1;
