@@ -22,7 +22,7 @@
 #include "torch_models.hpp"
 #include "x87_check.hpp"
 
-using namespace gradavg_test::models;  // Net, TwoHeads, BatchNormNet, Mixed
+using namespace gradavg_test::models;  // Net, TwoHeads, BatchNormNet, Mixed, to_channels_last
 
 // `using namespace gradavg;` leaves every later `torch::` naming libtorch's (gradavg's own names
 // are in gradavg::libtorch): this unit would not compile otherwise.
@@ -405,14 +405,6 @@ struct ConvNetImpl : torch::nn::Cloneable<ConvNetImpl> {
   torch::nn::Linear fc{nullptr};
 };
 TORCH_MODULE(ConvNet);
-
-/// Every 4-d parameter of m in channels_last memory order (the C++ frontend's Module::to() takes
-/// no memory format).
-void to_channels_last(torch::nn::Module& m) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters())
-    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-}
 
 /// K channels_last replicas of one ConvNet, each with the gradient of its 8 rows of a
 /// channels_last batch.

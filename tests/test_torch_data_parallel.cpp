@@ -23,52 +23,9 @@
 #include "support.hpp"
 #include "torch_models.hpp"
 
-using namespace gradavg_test::models;  // Net, Mixed
+using namespace gradavg_test::models;  // Net, Mixed, Deep
 
 namespace {
-
-/// Identity forward; backward throws when armed: a replica whose backward fails midway.
-struct failing_identity : torch::autograd::Function<failing_identity> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool armed) {
-    ctx->saved_data["armed"] = armed;
-    return x.clone();
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list g) {
-    if (ctx->saved_data["armed"].toBool()) throw std::runtime_error("backward failed on purpose");
-    return {g[0], at::Tensor()};
-  }
-};
-
-/// A channels_last convolution with batch normalisation, two hidden layers and two heads (aux in
-/// the loss where asked): 12 parameters in named_parameters() order conv.weight, conv.bias,
-/// bn.weight, bn.bias, fc1.*, fc2.*, head.*, aux.*.
-struct DeepImpl : torch::nn::Cloneable<DeepImpl> {
-  DeepImpl() { reset(); }
-  void reset() override {
-    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3)));
-    bn = register_module("bn", torch::nn::BatchNorm2d(4));
-    fc1 = register_module("fc1", torch::nn::Linear(4 * 4 * 4, 32));
-    fc2 = register_module("fc2", torch::nn::Linear(32, 16));
-    head = register_module("head", torch::nn::Linear(16, 3));
-    aux = register_module("aux", torch::nn::Linear(16, 3));
-  }
-  torch::Tensor forward(const torch::Tensor& x, bool use_aux = true, bool fail = false) {
-    at::Tensor h = torch::relu(fc1(torch::relu(bn(conv(x))).flatten(1)));
-    h = torch::relu(fc2(failing_identity::apply(h, fail)));
-    return use_aux ? head(h) + aux(h) : head(h);
-  }
-  torch::nn::Conv2d conv{nullptr};
-  torch::nn::BatchNorm2d bn{nullptr};
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr}, aux{nullptr};
-};
-TORCH_MODULE(Deep);
-
-void to_channels_last(torch::nn::Module& m) {
-  torch::NoGradGuard no_grad;
-  for (auto& p : m.parameters())
-    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
-}
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.defined() != b.defined()) return false;
@@ -254,7 +211,8 @@ TEST_CASE("data_parallel: a parameter unused on some replicas is finished by fin
     t.zero_grad(true);
     REQUIRE(!t.backward(t.overlapped, 1));
     REQUIRE(!t.backward(t.one_shot, 1));
-    check_same_reports(dp.finish(), gradavg::libtorch::average_module_gradients(t.one_shot));
+    const auto finished = dp.finish();
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(t.one_shot));
     t.check_same_gradients();
   }
   SECTION("absent_as_zeros: zeros in their place, listed, the one-shot bits") {
@@ -280,7 +238,8 @@ TEST_CASE("data_parallel: a parameter unused on some replicas is finished by fin
     t.zero_grad(false);
     REQUIRE(!t.backward(t.overlapped, 1, no_aux_on_1));
     REQUIRE(!t.backward(t.one_shot, 1, no_aux_on_1));
-    check_same_reports(dp.finish(), gradavg::libtorch::average_module_gradients(t.one_shot));
+    const auto finished = dp.finish();
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(t.one_shot));
     t.check_same_gradients();
   }
 }
@@ -344,7 +303,8 @@ TEST_CASE("data_parallel: a second backward before finish() is an error naming t
   t.zero_grad(true);
   REQUIRE(!t.backward(t.overlapped, 2));
   REQUIRE(!t.backward(t.one_shot, 2));
-  check_same_reports(dp.finish(), gradavg::libtorch::average_module_gradients(t.one_shot));
+  const auto finished = dp.finish();
+  check_same_reports(finished, gradavg::libtorch::average_module_gradients(t.one_shot));
   t.check_same_gradients();
 }
 
@@ -377,7 +337,8 @@ TEST_CASE("data_parallel: a backward that throws on one replica never hangs, and
     t.zero_grad(true);
     REQUIRE(!t.backward(t.overlapped, 1));
     REQUIRE(!t.backward(t.one_shot, 1));
-    check_same_reports(dp.finish(), gradavg::libtorch::average_module_gradients(t.one_shot));
+    const auto finished = dp.finish();
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(t.one_shot));
     CHECK(dp.overlapped_buckets() == 12);
     t.check_same_gradients();
   }

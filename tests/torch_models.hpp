@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <stdexcept>
 
 namespace gradavg_test::models {
 
@@ -66,5 +67,50 @@ struct MixedImpl : torch::nn::Cloneable<MixedImpl> {
   torch::nn::Linear body{nullptr}, head{nullptr};
 };
 TORCH_MODULE(Mixed);
+
+/// Identity forward; backward throws when armed: a replica whose backward fails midway.
+struct failing_identity : torch::autograd::Function<failing_identity> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, bool armed) {
+    ctx->saved_data["armed"] = armed;
+    return x.clone();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list g) {
+    if (ctx->saved_data["armed"].toBool()) throw std::runtime_error("backward failed on purpose");
+    return {g[0], at::Tensor()};
+  }
+};
+
+/// A channels_last convolution with batch normalisation, two hidden layers and two heads (aux in
+/// the loss where asked): 12 parameters in named_parameters() order conv.weight, conv.bias,
+/// bn.weight, bn.bias, fc1.*, fc2.*, head.*, aux.*.
+struct DeepImpl : torch::nn::Cloneable<DeepImpl> {
+  DeepImpl() { reset(); }
+  void reset() override {
+    conv = register_module("conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(2, 4, 3)));
+    bn = register_module("bn", torch::nn::BatchNorm2d(4));
+    fc1 = register_module("fc1", torch::nn::Linear(4 * 4 * 4, 32));
+    fc2 = register_module("fc2", torch::nn::Linear(32, 16));
+    head = register_module("head", torch::nn::Linear(16, 3));
+    aux = register_module("aux", torch::nn::Linear(16, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x, bool use_aux = true, bool fail = false) {
+    at::Tensor h = torch::relu(fc1(torch::relu(bn(conv(x))).flatten(1)));
+    h = torch::relu(fc2(failing_identity::apply(h, fail)));
+    return use_aux ? head(h) + aux(h) : head(h);
+  }
+  torch::nn::Conv2d conv{nullptr};
+  torch::nn::BatchNorm2d bn{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, head{nullptr}, aux{nullptr};
+};
+TORCH_MODULE(Deep);
+
+/// Every 4-d parameter of m in channels_last memory order (Module::to() takes no memory format in
+/// the C++ frontend).
+inline void to_channels_last(torch::nn::Module& m) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : m.parameters())
+    if (p.dim() == 4) p.set_data(p.contiguous(at::MemoryFormat::ChannelsLast));
+}
 
 }  // namespace gradavg_test::models

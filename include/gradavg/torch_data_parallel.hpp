@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -80,24 +81,7 @@ class data_parallel {
  public:
   data_parallel(std::span<::torch::nn::Module* const> replicas, const options& opts = {},
                 const module_options& mopts = {}, const bucket_options& buckets = {})
-      : replicas_(replicas.begin(), replicas.end()), opts_(opts), mopts_(mopts) {
-    check_options();
-    params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
-    parameter_count_ = params_.empty() ? 0 : params_[0].size();
-    assign_buckets(buckets);
-    for (auto& b : buckets_) max_bucket_ = std::max(max_bucket_, b.parameters.size());
-    for (scratch* s : {&worker_scratch_, &caller_scratch_}) {
-      s->towers.resize(replicas_.size());
-      for (auto& t : s->towers) t.reserve(max_bucket_);
-      s->means.reserve(max_bucket_);
-    }
-    ready_.reserve(buckets_.size());
-    produced_ = std::make_unique<std::atomic<std::uint8_t>[]>(replicas_.size() * parameter_count_);
-    pending_ = std::make_unique<std::atomic<std::size_t>[]>(buckets_.size());
-    reset_step();
-    add_hooks();
-    worker_ = std::thread([this] { work(); });
-  }
+      : data_parallel(replicas, opts, mopts, buckets, {}, {}) {}
 
   /// Any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder.
   template <replica_range R>
@@ -108,7 +92,7 @@ class data_parallel {
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
 
-  ~data_parallel() {
+  virtual ~data_parallel() {
     remove_hooks();
     {
       const std::lock_guard<std::mutex> lock(mutex_);
@@ -122,25 +106,22 @@ class data_parallel {
   /// returns the report average_module_gradients would (counts, skipped and zero-filled names).
   /// Resets the step's state, on success and on error.
   module_report finish() {
+    if (over_) return finish_in_order();
     wait_in_flight();
     step_reset reset{*this};
-    for (std::size_t k = 0; k < replicas_.size(); ++k)
-      for (std::size_t i = 0; i < parameter_count_; ++i)
-        if (produced_[k * parameter_count_ + i].load(std::memory_order_relaxed) > 1)
-          throw error("gradavg::libtorch::data_parallel: replica " + std::to_string(k) + " produced the gradient of " +
-                          "parameter #" + std::to_string(i) + " '" + params_[0][i].key() +
-                          "' more than once since the last finish(); run one backward per replica per step, or "
-                          "accumulate micro-batches under no_sync()",
-                      i);
+    check_produced_once();
     summary buckets_summary;
     std::vector<std::uint64_t> done((parameter_count_ + 63) / 64, 0);
     std::size_t done_count = 0;
     overlapped_ = 0;
-    for (std::size_t b = 0; b < buckets_.size(); ++b) {
-      bucket& bk = buckets_[b];
+    std::exception_ptr failure;
+    for (const bucket& bk : buckets_) {
+      overlapped_ += bk.queued ? 1 : 0;
+      failure = earlier_in_parameter_order(failure, bk.failure);
+    }
+    if (failure) std::rethrow_exception(failure);
+    for (const bucket& bk : buckets_) {
       if (!bk.queued) continue;
-      ++overlapped_;
-      if (bk.failure) std::rethrow_exception(bk.failure);
       buckets_summary.averaged += bk.result.averaged;
       buckets_summary.nonfinite_variables += bk.result.nonfinite_variables;
       buckets_summary.towers = bk.result.towers;
@@ -172,7 +153,16 @@ class data_parallel {
 
   /// Forgets the step: waits for the buckets in flight (which keep their means) and resets, so
   /// that the next backward starts a new step. For a step whose backward threw on some replica.
+  /// Across processes every process's calls must match, so it runs finish() and drops its error.
   void abandon() {
+    if (over_) {
+      try {
+        finish_in_order();
+      } catch (const std::exception&) {
+        // abandoned: the step's errors are not reported
+      }
+      return;
+    }
     wait_in_flight();
     reset_step();
   }
@@ -203,12 +193,54 @@ class data_parallel {
   /// (the others were averaged by finish()).
   [[nodiscard]] std::size_t overlapped_buckets() const noexcept { return overlapped_; }
 
+ protected:
+  /// One call of the module helper over every parameter but the masked ones (bits as
+  /// detail::presence's): across processes, a collective call.
+  using masked_call = std::function<module_report(const std::vector<std::uint64_t>& masked)>;
+  /// Called on every process once the buckets are assigned (or assigning them failed), before
+  /// any hook: throws on every process when one failed or the processes' buckets differ.
+  using agreement = std::function<void(std::uint64_t buckets_fingerprint, std::exception_ptr failure)>;
+
+  /// With over: every bucket, complete or not, runs through over() in bucket order (the order
+  /// every process keeps), the worker waiting for each until it is complete or finish() is
+  /// called; then, in finish(), the parameters no bucket holds.
+  data_parallel(std::span<::torch::nn::Module* const> replicas, const options& opts, const module_options& mopts,
+                const bucket_options& buckets, masked_call over, const agreement& agree)
+      : replicas_(replicas.begin(), replicas.end()), opts_(opts), mopts_(mopts), over_(std::move(over)) {
+    std::exception_ptr failure;
+    try {
+      check_options();
+      params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
+      parameter_count_ = params_.empty() ? 0 : params_[0].size();
+      assign_buckets(buckets);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    if (agree) agree(buckets_fingerprint(), failure);
+    if (failure) std::rethrow_exception(failure);
+    for (auto& b : buckets_) max_bucket_ = std::max(max_bucket_, b.parameters.size());
+    for (scratch* s : {&worker_scratch_, &caller_scratch_}) {
+      s->towers.resize(replicas_.size());
+      for (auto& t : s->towers) t.reserve(max_bucket_);
+      s->means.reserve(max_bucket_);
+    }
+    if (over_) assign_masks();
+    ready_.reserve(buckets_.size());
+    produced_ = std::make_unique<std::atomic<std::uint8_t>[]>(replicas_.size() * parameter_count_);
+    pending_ = std::make_unique<std::atomic<std::size_t>[]>(buckets_.size());
+    reset_step();
+    add_hooks();
+    worker_ = std::thread([this] { work(); });
+  }
+
  private:
   struct bucket {
     std::vector<std::size_t> parameters;
     bool queued = false;
     summary result;
     std::exception_ptr failure;
+    module_report report;                // across processes: over()'s report
+    std::vector<std::uint64_t> masked;   // across processes: every parameter but this bucket's
   };
 
   /// Called by the hook of replica k's parameter i once its .grad() holds this backward's sum.
@@ -319,6 +351,7 @@ class data_parallel {
   }
 
   void work() {
+    if (over_) return work_in_order();
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
       wake_.wait(lock, [&] { return stop_ || next_ < ready_.size(); });
@@ -328,6 +361,147 @@ class data_parallel {
       }
       if (stop_) return;
     }
+  }
+
+  /// Across processes: bucket after bucket in bucket order, each once it is complete here or
+  /// backward has ended (finish()), through over().
+  void work_in_order() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] {
+        return stop_ || (in_order_next_ < buckets_.size() && (buckets_[in_order_next_].queued || backward_ended_));
+      });
+      if (stop_) return;
+      bucket& bk = buckets_[in_order_next_];
+      lock.unlock();
+      try {
+        bk.report = over_(bk.masked);
+      } catch (...) {
+        bk.failure = std::current_exception();
+      }
+      lock.lock();
+      ++in_order_next_;
+      idle_.notify_all();
+    }
+  }
+
+  /// finish() across processes: every bucket through over() (the worker), then the parameters no
+  /// bucket holds (here), then the reports merged in named_parameters() order; the first error
+  /// thrown once every call has run, so that every process runs the same calls.
+  module_report finish_in_order() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    backward_ended_ = true;
+    wake_.notify_all();
+    idle_.wait(lock, [&] { return in_order_next_ == buckets_.size(); });
+    lock.unlock();
+    step_reset reset{*this};
+    std::exception_ptr failure;
+    std::vector<const module_report*> reports;
+    std::size_t masked_total = 0;
+    overlapped_ = 0;
+    for (const bucket& bk : buckets_) {
+      overlapped_ += bk.queued ? 1 : 0;
+      failure = earlier_in_parameter_order(failure, bk.failure);
+      reports.push_back(&bk.report);
+      masked_total += parameter_count_ - bk.parameters.size();
+    }
+    module_report rest;
+    if (!rest_mask_.empty()) {
+      try {
+        rest = over_(rest_mask_);
+      } catch (...) {
+        failure = earlier_in_parameter_order(failure, std::current_exception());
+      }
+      reports.push_back(&rest);
+      masked_total += bucketed_count_;
+    }
+    if (failure) std::rethrow_exception(failure);
+    check_produced_once();
+    module_report merged;
+    std::vector<std::pair<std::size_t, std::string>> skipped, zero_filled;
+    for (const module_report* r : reports) {
+      merged.report.averaged += r->report.averaged;
+      merged.report.skipped += r->report.skipped;
+      merged.report.nonfinite_variables += r->report.nonfinite_variables;
+      merged.report.towers = r->report.towers;
+      merged.report.weighted_towers = r->report.weighted_towers;
+      merged.report.total_samples = r->report.total_samples;
+      for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
+      for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
+    }
+    merged.report.skipped -= std::min(merged.report.skipped, masked_total);
+    std::sort(skipped.begin(), skipped.end());
+    std::sort(zero_filled.begin(), zero_filled.end());
+    for (auto& e : skipped) merged.skipped.push_back(std::move(e.second));
+    for (auto& e : zero_filled) merged.zero_filled.push_back(std::move(e.second));
+    return merged;
+  }
+
+  /// Of two errors (either may be null), the one a call over every parameter would throw: the
+  /// one naming the earlier parameter (gradavg::error::variable_index()), else a; errors that
+  /// name no parameter (another rank's, an executor's) before those that do.
+  static std::exception_ptr earlier_in_parameter_order(std::exception_ptr a, std::exception_ptr b) {
+    if (!a || !b) return a ? a : b;
+    const auto index = [](const std::exception_ptr& e) {
+      try {
+        std::rethrow_exception(e);
+      } catch (const error& g) {
+        return g.variable_index();
+      } catch (...) {
+        return error::npos;
+      }
+    };
+    const std::size_t ia = index(a), ib = index(b);
+    if (ia == error::npos) return a;
+    if (ib == error::npos) return b;
+    return ib < ia ? b : a;
+  }
+
+  std::size_t index_of(const std::string& name) const {
+    for (std::size_t i = 0; i < parameter_count_; ++i)
+      if (params_[0][i].key() == name) return i;
+    return parameter_count_;
+  }
+
+  /// Throws for a gradient that a replica produced more than once since the last finish().
+  void check_produced_once() const {
+    for (std::size_t k = 0; k < replicas_.size(); ++k)
+      for (std::size_t i = 0; i < parameter_count_; ++i)
+        if (produced_[k * parameter_count_ + i].load(std::memory_order_relaxed) > 1)
+          throw error("gradavg::libtorch::data_parallel: replica " + std::to_string(k) + " produced the gradient of " +
+                          "parameter #" + std::to_string(i) + " '" + params_[0][i].key() +
+                          "' more than once since the last finish(); run one backward per replica per step, or "
+                          "accumulate micro-batches under no_sync()",
+                      i);
+  }
+
+  /// FNV-1a of the parameter count and every bucket's parameters.
+  std::uint64_t buckets_fingerprint() const noexcept {
+    std::uint64_t h = 1469598103934665603ull;
+    const auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+    mix(parameter_count_);
+    for (const bucket& b : buckets_) {
+      mix(b.parameters.size());
+      for (const std::size_t i : b.parameters) mix(i);
+    }
+    return h;
+  }
+
+  /// Across processes: each bucket's mask (every parameter but its own), and the mask of the
+  /// parameters no bucket holds (empty when every parameter is in a bucket).
+  void assign_masks() {
+    const std::size_t words = (parameter_count_ + 63) / 64;
+    std::vector<std::uint64_t> bucketed(words, 0);
+    for (bucket& b : buckets_) {
+      b.masked.assign(words, 0);
+      for (std::size_t i = 0; i < parameter_count_; ++i) detail::presence::set(b.masked, i);
+      for (const std::size_t i : b.parameters) {
+        b.masked[i / 64] &= ~(std::uint64_t{1} << (i % 64));
+        detail::presence::set(bucketed, i);
+        ++bucketed_count_;
+      }
+    }
+    if (bucketed_count_ < parameter_count_) rest_mask_ = std::move(bucketed);
   }
 
   /// Takes the next ready bucket (lock held on entry and on return) and averages it unlocked.
@@ -374,12 +548,15 @@ class data_parallel {
       ready_.clear();
       next_ = 0;
       finished_ = 0;
+      in_order_next_ = 0;
+      backward_ended_ = false;
     }
     for (std::size_t i = 0; i < replicas_.size() * parameter_count_; ++i) produced_[i].store(0);
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       buckets_[b].queued = false;
       buckets_[b].result = summary{};
       buckets_[b].failure = nullptr;
+      buckets_[b].report = module_report{};
       pending_[b].store(replicas_.size() * buckets_[b].parameters.size());
     }
   }
@@ -396,12 +573,17 @@ class data_parallel {
   std::unique_ptr<std::atomic<std::size_t>[]> pending_;
   std::atomic<bool> sync_{true};
   std::size_t overlapped_ = 0;
+  masked_call over_;
+  std::vector<std::uint64_t> rest_mask_;
+  std::size_t bucketed_count_ = 0;
 
   // The worker's queue: ready_[next_..) waits, ready_[..finished_) is done.
   std::mutex mutex_;
   std::condition_variable wake_, idle_;
   std::vector<std::size_t> ready_;
   std::size_t next_ = 0, finished_ = 0;
+  std::size_t in_order_next_ = 0;  // across processes: the next bucket in bucket order
+  bool backward_ended_ = false;    // across processes: finish() called
   bool stop_ = false;
   std::thread worker_;
   scratch worker_scratch_, caller_scratch_;

@@ -16,6 +16,7 @@
 
 #include "mpi.hpp"
 #include "torch.hpp"
+#include "torch_data_parallel.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
@@ -202,6 +203,75 @@ module_report average_module_gradients(MPI_Comm comm, const R& replicas, const g
   for (const auto& m : replicas) modules.push_back(detail::module_of(m));
   return average_module_gradients(comm, std::span<::torch::nn::Module* const>(modules), opts, mopts);
 }
+
+/// data_parallel across the ranks of comm: each rank's replicas are averaged with every other
+/// rank's, bucket by bucket while backward runs, with average_module_gradients(comm, ...)'s
+/// results bit for bit (gradavg::mpi sums in rank order whatever the buckets). Every bucket runs
+/// on every rank in bucket order, as one average_module_gradients(comm, ...) over its parameters:
+/// the worker starts bucket b once b is complete on this rank (its collective then waits for the
+/// other ranks) or finish() has been called; finish() then averages the parameters no bucket holds
+/// the same way, and throws the first error, the same on every rank. A rank whose backward threw
+/// calls finish() or abandon() like the others, so that no rank is left waiting; its missing
+/// gradients are then every rank's missing_gradient_error (or zeros with absent_as_zeros).
+/// Collective: construction (one MPI_Allreduce agreeing on the setup and the buckets: a rank that
+/// could not set up throws its error, the others remote_error; buckets that differ are
+/// variable_mismatch_error everywhere), finish(), abandon(). The worker thread calls MPI: MPI must
+/// be initialised with MPI_THREAD_SERIALIZED or more (option_error otherwise), and this rank's
+/// other threads must not call MPI on comm between the step's first backward and finish()'s
+/// return. Destroy it after finish(), on every rank.
+class mpi_data_parallel final : public data_parallel {
+ public:
+  mpi_data_parallel(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
+                    const gradavg::mpi::options& opts = {}, const module_options& mopts = {},
+                    const bucket_options& buckets = {})
+      : data_parallel(replicas, opts, mopts, buckets, over(comm, replicas, opts, mopts), agreement_on(comm)) {}
+
+  /// Any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder.
+  template <replica_range R>
+  mpi_data_parallel(MPI_Comm comm, const R& replicas, const gradavg::mpi::options& opts = {},
+                    const module_options& mopts = {}, const bucket_options& buckets = {})
+      : mpi_data_parallel(comm, std::span<::torch::nn::Module* const>(detail::modules_of(replicas)), opts, mopts,
+                          buckets) {}
+
+ private:
+  static masked_call over(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
+                          const gradavg::mpi::options& opts, const module_options& mopts) {
+    return [comm, modules = std::vector<::torch::nn::Module*>(replicas.begin(), replicas.end()), opts,
+            mopts](const std::vector<std::uint64_t>& masked) {
+      return detail::average_replicas(
+          std::span<::torch::nn::Module* const>(modules), opts, mopts,
+          [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
+          [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
+              std::span<variable_statistics>) {
+            return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
+                                                          opts, prior);
+          },
+          &masked);
+    };
+  }
+
+  static agreement agreement_on(MPI_Comm comm) {
+    return [comm](std::uint64_t fingerprint, std::exception_ptr failure) {
+      using gradavg::mpi::mpi_detail::check;
+      gradavg::mpi::mpi_detail::check_communicator(comm);
+      int level = MPI_THREAD_SINGLE;
+      check(MPI_Query_thread(&level), "MPI_Query_thread");
+      if (!failure && level < MPI_THREAD_SERIALIZED)
+        failure = std::make_exception_ptr(option_error(
+            "gradavg::libtorch::mpi_data_parallel: its worker thread calls MPI, so MPI must be initialised with "
+            "MPI_Init_thread and MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE"));
+      std::uint64_t words[3] = {failure ? 1u : 0u, fingerprint, ~fingerprint};
+      check(MPI_Allreduce(MPI_IN_PLACE, words, 3, MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
+      if (failure) std::rethrow_exception(failure);
+      if (words[0] != 0)
+        throw remote_error("gradavg::libtorch::mpi_data_parallel: another rank could not set up its "
+                                         "replicas (it throws the reason)");
+      if (words[1] != ~words[2])
+        throw variable_mismatch_error("gradavg::libtorch::mpi_data_parallel: the ranks' buckets differ (other models, "
+                                      "other parameters requiring gradients, or other bucket_options)");
+    };
+  }
+};
 
 }  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE

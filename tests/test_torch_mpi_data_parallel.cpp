@@ -1,0 +1,279 @@
+// gradavg::libtorch::mpi_data_parallel (gradavg/torch_mpi.hpp) under mpiexec; ctest runs it with 2
+// and 3 ranks, each with a timeout. Rank r holds r + 1 replicas of one Deep model, each running its
+// backward on a thread of its own, and a second set of the same replicas fed the same batches is
+// averaged by the one-shot average_module_gradients(comm, ...): the gradients and reports are
+// compared bit for bit, and across ranks. Failures are provoked on one rank only: every rank
+// throws, none hangs.
+#include <gradavg/torch_mpi.hpp>
+
+#include <mpi.h>
+#include <torch/torch.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "catch.hpp"
+#include "support.hpp"
+#include "torch_models.hpp"
+
+using namespace gradavg_test::models;  // Net, Deep, to_channels_last
+
+namespace {
+
+/// MPI for the life of the program, with the thread level mpi_data_parallel's worker needs.
+struct mpi_session {
+  mpi_session() {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+  }
+  ~mpi_session() { MPI_Finalize(); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+} const session;
+
+std::size_t world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return static_cast<std::size_t>(r);
+}
+
+bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+/// FNV-1a of the bytes of every gradient of a replica (undefined ones as a marker).
+std::uint64_t gradient_hash(Deep& m) {
+  std::uint64_t h = 1469598103934665603ull;
+  for (const auto& p : m->parameters()) {
+    const at::Tensor g = p.grad();
+    const std::size_t n = g.defined() ? g.nbytes() : 0;
+    const auto* bytes = g.defined() ? static_cast<const unsigned char*>(g.data_ptr()) : nullptr;
+    h = (h ^ (g.defined() ? 1u : 2u)) * 1099511628211ull;
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+  }
+  return h;
+}
+
+/// Every rank's value of v equal.
+bool same_on_every_rank(std::uint64_t v) {
+  std::uint64_t words[2] = {v, ~v};
+  MPI_Allreduce(MPI_IN_PLACE, words, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return words[0] == ~words[1];
+}
+
+/// This rank's r + 1 replicas twice: `overlapped` for mpi_data_parallel, `one_shot` for the
+/// one-shot call; replica k of rank r is global replica r(r+1)/2 + k, whose rows of a batch are
+/// drawn from a seed of its own.
+struct twin_replicas {
+  std::vector<Deep> overlapped, one_shot;
+  std::size_t first;
+
+  explicit twin_replicas(std::uint64_t seed) : first(world_rank() * (world_rank() + 1) / 2) {
+    torch::manual_seed(seed);
+    Deep model;
+    to_channels_last(*model);
+    for (std::size_t i = 0; i < 2 * (world_rank() + 1); ++i) {
+      Deep r = std::dynamic_pointer_cast<DeepImpl>(model->clone());
+      to_channels_last(*r);
+      (i <= world_rank() ? overlapped : one_shot).push_back(r);
+    }
+  }
+
+  /// Every replica of `set` runs forward and backward of its rows on a thread of its own (aux in
+  /// the loss unless no_aux names the replica; `failing` fails its backward); the first exception
+  /// is returned, not thrown.
+  std::exception_ptr backward(std::vector<Deep>& set, std::uint64_t batch, std::size_t no_aux = ~std::size_t{0},
+                              std::size_t failing = ~std::size_t{0}) {
+    std::vector<std::pair<at::Tensor, at::Tensor>> data;
+    for (std::size_t k = 0; k < set.size(); ++k) {
+      torch::manual_seed(1000 * batch + first + k);
+      data.emplace_back(torch::randn({4, 2, 6, 6}).contiguous(at::MemoryFormat::ChannelsLast),
+                        torch::randint(0, 3, {4}));
+    }
+    std::vector<std::exception_ptr> errors(set.size());
+    std::vector<std::thread> threads;
+    for (std::size_t k = 0; k < set.size(); ++k)
+      threads.emplace_back([&, k] {
+        try {
+          const at::Tensor out = set[k]->forward(data[k].first, k != no_aux, k == failing);
+          torch::nn::functional::cross_entropy(out, data[k].second).backward();
+        } catch (...) {
+          errors[k] = std::current_exception();
+        }
+      });
+    for (auto& t : threads) t.join();
+    for (auto& e : errors)
+      if (e) return e;
+    return nullptr;
+  }
+
+  void zero_grad(bool set_to_none) {
+    for (auto* set : {&overlapped, &one_shot})
+      for (auto& m : *set) m->zero_grad(set_to_none);
+  }
+
+  void check_same_gradients() {
+    for (std::size_t k = 0; k < overlapped.size(); ++k) {
+      const auto a = overlapped[k]->named_parameters(), b = one_shot[k]->named_parameters();
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        INFO("rank " << world_rank() << ", replica " << k << ", parameter " << a[i].key());
+        CHECK(bitwise_equal(a[i].value().grad(), b[i].value().grad()));
+      }
+    }
+    CHECK(same_on_every_rank(gradient_hash(overlapped[0])));
+  }
+};
+
+void check_same_reports(const gradavg::libtorch::module_report& a, const gradavg::libtorch::module_report& b) {
+  CHECK(a.report.averaged == b.report.averaged);
+  CHECK(a.report.skipped == b.report.skipped);
+  CHECK(a.report.towers == b.report.towers);
+  CHECK(a.skipped == b.skipped);
+  CHECK(a.zero_filled == b.zero_filled);
+}
+
+}  // namespace
+
+TEST_CASE("mpi_data_parallel: the one-shot call's gradients bit for bit on every rank, buckets started in backward") {
+  at::set_num_threads(1);
+  for (std::size_t bucket_bytes : {std::size_t{1}, std::size_t{700}, std::size_t{1} << 20}) {
+    INFO("buckets of " << bucket_bytes << " bytes");
+    twin_replicas t(7);
+    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = bucket_bytes});
+    for (std::uint64_t step = 0; step < 3; ++step) {
+      t.zero_grad(step % 2 == 0);
+      REQUIRE(!t.backward(t.overlapped, step));
+      const auto got = dp.finish();
+      REQUIRE(!t.backward(t.one_shot, step));
+      const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);
+      check_same_reports(got, want);
+      CHECK(got.report.averaged == 12);
+      CHECK(dp.overlapped_buckets() == dp.buckets().size());
+      t.check_same_gradients();
+    }
+  }
+}
+
+TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the one-shot call says on every rank") {
+  at::set_num_threads(1);
+  const std::size_t no_aux = world_rank() == 1 ? 0 : ~std::size_t{0};
+  SECTION("set to none: the one-shot call's missing_gradient_error on every rank") {
+    twin_replicas t(11);
+    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = 1});
+    t.zero_grad(true);
+    REQUIRE(!t.backward(t.overlapped, 0, no_aux));
+    REQUIRE(!t.backward(t.one_shot, 0, no_aux));
+    const std::string got = gradavg_test::message_of<gradavg::missing_gradient_error>([&] { dp.finish(); });
+    const std::string want = gradavg_test::message_of<gradavg::missing_gradient_error>(
+        [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot); });
+    CHECK(got == want);
+    CHECK(gradavg_test::contains(got, "'aux.weight'"));
+    // Usable again.
+    t.zero_grad(true);
+    REQUIRE(!t.backward(t.overlapped, 1));
+    REQUIRE(!t.backward(t.one_shot, 1));
+    const auto finished = dp.finish();  // before the one-shot call: one call at a time on the communicator
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot));
+    t.check_same_gradients();
+  }
+  SECTION("absent_as_zeros: zeros in their place, listed on every rank, the one-shot bits") {
+    twin_replicas t(13);
+    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {.absent_as_zeros = true},
+                                            {.bytes = 700});
+    t.zero_grad(true);
+    REQUIRE(!t.backward(t.overlapped, 0, no_aux));
+    REQUIRE(!t.backward(t.one_shot, 0, no_aux));
+    const auto got = dp.finish();
+    const auto want =
+        gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, {}, {.absent_as_zeros = true});
+    check_same_reports(got, want);
+    CHECK(got.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
+    t.check_same_gradients();
+  }
+}
+
+TEST_CASE("mpi_data_parallel: a backward that throws on one rank hangs no rank, every rank reports it") {
+  at::set_num_threads(1);
+  const bool failing_rank = world_rank() == 1;
+  for (const bool abandon : {false, true}) {
+    INFO((abandon ? "abandon()" : "finish()"));
+    twin_replicas t(17);
+    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = 1});
+    t.zero_grad(true);
+    const std::exception_ptr failed =
+        t.backward(t.overlapped, 0, ~std::size_t{0}, failing_rank ? 1 : ~std::size_t{0});
+    CHECK(static_cast<bool>(failed) == failing_rank);
+    if (abandon) {
+      dp.abandon();
+    } else {
+      const std::string e = gradavg_test::message_of<gradavg::missing_gradient_error>([&] { dp.finish(); });
+      CHECK(gradavg_test::contains(e, "'conv.weight'"));  // the first parameter replica 1 lacks
+    }
+    t.zero_grad(true);
+    REQUIRE(!t.backward(t.overlapped, 1));
+    REQUIRE(!t.backward(t.one_shot, 1));
+    const auto finished = dp.finish();  // before the one-shot call: one call at a time on the communicator
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot));
+    t.check_same_gradients();
+  }
+}
+
+TEST_CASE("mpi_data_parallel: frozen parameters skipped and listed on every rank") {
+  at::set_num_threads(1);
+  torch::manual_seed(29);
+  Net model;
+  std::vector<Net> a, b;
+  for (std::size_t i = 0; i <= world_rank(); ++i)
+    for (auto* set : {&a, &b}) {
+      set->push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
+      for (auto& p : set->back()->frozen->parameters()) p.set_requires_grad(false);
+    }
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, a, {}, {}, {.bytes = 1});
+  for (auto* set : {&a, &b})
+    for (std::size_t k = 0; k < set->size(); ++k) {
+      torch::manual_seed(10 * world_rank() + k);
+      (*set)[k]->forward(torch::randn({4, 6})).square().sum().backward();
+    }
+  const auto got = dp.finish();
+  const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, b);
+  CHECK(got.report.averaged == want.report.averaged);
+  CHECK(got.report.skipped == want.report.skipped);
+  CHECK(got.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
+  for (std::size_t k = 0; k < a.size(); ++k)
+    for (std::size_t i = 0; i < 6; ++i) CHECK(bitwise_equal(a[k]->parameters()[i].grad(), b[k]->parameters()[i].grad()));
+}
+
+TEST_CASE("mpi_data_parallel: a rank that cannot set up, or buckets that differ, throw on every rank") {
+  twin_replicas t(31);
+  SECTION("a null replica on rank 1: tower_error there, remote_error elsewhere") {
+    std::vector<torch::nn::Module*> modules;
+    for (auto& m : t.overlapped) modules.push_back(m.get());
+    if (world_rank() == 1) modules[0] = nullptr;
+    const auto make = [&] {
+      gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, std::span<torch::nn::Module* const>(modules));
+    };
+    if (world_rank() == 1)
+      CHECK(gradavg_test::message_of<gradavg::tower_error>(make) == "gradavg: replica 0 is null");
+    else
+      CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::remote_error>(make), "another rank"));
+  }
+  SECTION("another bucket size on rank 0: variable_mismatch_error on every rank") {
+    const std::size_t bytes = world_rank() == 0 ? 1 : std::size_t{1} << 20;
+    CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::variable_mismatch_error>([&] {
+                                   gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {},
+                                                                           {.bytes = bytes});
+                                 }),
+                                 "buckets differ"));
+  }
+}
