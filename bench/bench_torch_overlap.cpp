@@ -9,7 +9,16 @@
 // The MLP (256 -> 1024 -> 1024 -> 1024 -> 10, 2.4 M floats) with a few rows per replica: its
 // forward and backward move about as many bytes as the averaging of its gradients. Before timing, the overlapped step's gradients are compared with the
 // one-shot step's, bit for bit (exit 1 otherwise).
+// Built as gradavg_bench_torch_mpi_overlap (GRADAVG_BENCH_MPI, under mpiexec; not by CI): every
+// rank holds K replicas, `one_shot` is average_module_gradients(MPI_COMM_WORLD, ...) and
+// `overlapped` mpi_data_parallel; every way starts each round's block at a barrier and a round's
+// time is the slowest rank's; rank 0 reports. scripts/netlink.sh runs it on an emulated link.
+#ifdef GRADAVG_BENCH_MPI
+#include <gradavg/torch_mpi.hpp>
+#include <mpi.h>
+#else
 #include <gradavg/torch_data_parallel.hpp>
+#endif
 
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
@@ -39,6 +48,26 @@ struct MlpImpl : torch::nn::Cloneable<MlpImpl> {
 };
 TORCH_MODULE(Mlp);
 
+#ifdef GRADAVG_BENCH_MPI
+using averager = gradavg::libtorch::mpi_data_parallel;
+std::uint64_t rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return static_cast<std::uint64_t>(r);
+}
+/// The slowest rank's value.
+double slowest(double seconds) {
+  MPI_Allreduce(MPI_IN_PLACE, &seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  return seconds;
+}
+void align() { MPI_Barrier(MPI_COMM_WORLD); }
+#else
+using averager = gradavg::libtorch::data_parallel;
+std::uint64_t rank() { return 0; }
+double slowest(double seconds) { return seconds; }
+void align() {}
+#endif
+
 /// K replicas of one MLP and each replica's batch.
 struct replicas {
   std::vector<Mlp> models;
@@ -47,6 +76,7 @@ struct replicas {
   replicas(std::size_t k_count, std::int64_t rows) {
     torch::manual_seed(3);
     Mlp model;
+    torch::manual_seed(4 + rank());
     for (std::size_t k = 0; k < k_count; ++k) {
       models.push_back(std::dynamic_pointer_cast<MlpImpl>(model->clone()));
       x.push_back(torch::randn({rows, 256}));
@@ -68,10 +98,28 @@ struct replicas {
 
 enum class way { backward, one_shot, overlapped };
 
-void step(replicas& r, way w, gradavg::libtorch::data_parallel* dp, const gradavg::options& opts = {}) {
+void step(replicas& r, way w, averager* dp, const gradavg::options& opts = {}) {
   r.backward();
+#ifdef GRADAVG_BENCH_MPI
+  gradavg::mpi::options mpi_opts;
+  static_cast<gradavg::options&>(mpi_opts) = opts;
+  if (w == way::one_shot) gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, r.models, mpi_opts);
+#else
   if (w == way::one_shot) gradavg::libtorch::average_module_gradients(r.models, opts);
+#endif
   if (w == way::overlapped) dp->finish();
+}
+
+averager make_averager(replicas& r, const gradavg::options& opts, std::size_t bucket_bytes) {
+#ifdef GRADAVG_BENCH_MPI
+  gradavg::mpi::options mpi_opts;
+  static_cast<gradavg::options&>(mpi_opts) = opts;
+  return averager(MPI_COMM_WORLD, r.models, mpi_opts, gradavg::libtorch::module_options{},
+                  gradavg::libtorch::bucket_options{.bytes = bucket_bytes});
+#else
+  return averager(r.models, opts, gradavg::libtorch::module_options{},
+                  gradavg::libtorch::bucket_options{.bytes = bucket_bytes});
+#endif
 }
 
 bool same_gradients(replicas& a, replicas& b) {
@@ -102,8 +150,7 @@ void run(benchmark::State& state) {
   const gradavg::options opts{.threads = threads, .pool = threads > 1 ? &pool : nullptr};
   std::vector<std::unique_ptr<replicas>> sets;
   for (int w = 0; w < 3; ++w) sets.push_back(std::make_unique<replicas>(k_count, rows));
-  gradavg::libtorch::data_parallel dp(sets[2]->models, opts, gradavg::libtorch::module_options{},
-                                      gradavg::libtorch::bucket_options{.bytes = bucket_kib << 10});
+  averager dp = make_averager(*sets[2], opts, bucket_kib << 10);
   const way ways[3] = {way::backward, way::one_shot, way::overlapped};
   for (int w = 0; w < 3; ++w) step(*sets[w], ways[w], &dp, opts);  // warm-up: first touch of every gradient
   std::vector<double> seconds[3];
@@ -111,10 +158,11 @@ void run(benchmark::State& state) {
   for (auto _ : state) {
     for (std::size_t j = 0; j < 3; ++j) {
       const std::size_t w = (round + j) % 3;
+      align();
       const auto start = std::chrono::steady_clock::now();
       for (int n = 0; n < steps_per_round; ++n) step(*sets[w], ways[w], &dp, opts);
-      seconds[w].push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
-                           steps_per_round);
+      seconds[w].push_back(
+          slowest(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / steps_per_round));
     }
     ++round;
   }
@@ -134,21 +182,30 @@ void run(benchmark::State& state) {
   state.counters["overlapped_x"] = median(overlapped_x);
 }
 
-}  // namespace
-
 // Args: {K, rows per replica, bucket KiB, averaging threads (a thread_pool of that many: one_shot's
-// and every bucket's options.threads and options.pool)}.
-BENCHMARK(run)
-    ->ArgsProduct({{2, 4, 8}, {1, 4}, {256, 1024, 4096}, {1, 4}})
+// and every bucket's options.threads and options.pool)}. Across processes: K replicas per rank,
+// more rows (the link, not the cores, is then what the backward passes overlap).
+#ifdef GRADAVG_BENCH_MPI
+BENCHMARK(run)->ArgsProduct({{1, 2}, {4, 16, 64}, {1024, 4096}, {1}})
+#else
+BENCHMARK(run)->ArgsProduct({{2, 4, 8}, {1, 4}, {256, 1024, 4096}, {1, 4}})
+#endif
     ->Iterations(9)
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
 
-int main(int argc, char** argv) {
+/// Reports nothing: the ranks other than 0.
+class silent_reporter final : public benchmark::BenchmarkReporter {
+ public:
+  bool ReportContext(const Context&) override { return true; }
+  void ReportRuns(const std::vector<Run>&) override {}
+};
+
+int run_all(int argc, char** argv) {
   torch::set_num_threads(1);
   {
     replicas a(3, 16), b(3, 16);
-    gradavg::libtorch::data_parallel dp(a.models, {}, {}, {.bytes = 1 << 20});
+    averager dp = make_averager(a, {}, std::size_t{1} << 20);
     step(a, way::overlapped, &dp);
     step(b, way::one_shot, nullptr);
     if (!same_gradients(a, b)) {
@@ -158,7 +215,26 @@ int main(int argc, char** argv) {
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
+  if (rank() == 0) {
+    benchmark::RunSpecifiedBenchmarks();
+  } else {
+    silent_reporter silent;
+    benchmark::RunSpecifiedBenchmarks(&silent);
+  }
   benchmark::Shutdown();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+#ifdef GRADAVG_BENCH_MPI
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
+  const int code = run_all(argc, argv);
+  MPI_Finalize();
+  return code;
+#else
+  return run_all(argc, argv);
+#endif
 }

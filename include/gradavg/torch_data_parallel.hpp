@@ -77,6 +77,8 @@ struct bucket_options {
 /// Thread-safety: the hooks may run on any thread; construction, finish(), abandon(), no_sync()
 /// and destruction run on one thread while no backward of these replicas runs. The destructor
 /// removes every hook and joins the worker.
+///
+/// Across processes: mpi_data_parallel (torch_mpi.hpp), built on the protected constructor below.
 class data_parallel {
  public:
   data_parallel(std::span<::torch::nn::Module* const> replicas, const options& opts = {},
