@@ -11,6 +11,11 @@ namespace gradavg_test {
 /// fails.
 struct mpi_session {
   mpi_session() { MPI_Init(nullptr, nullptr); }
+  /// MPI_Init_thread at thread_level (MPI_THREAD_SERIALIZED: threads other than main call MPI).
+  explicit mpi_session(int thread_level) {
+    int provided = 0;
+    MPI_Init_thread(nullptr, nullptr, thread_level, &provided);
+  }
   ~mpi_session() { MPI_Finalize(); }
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;

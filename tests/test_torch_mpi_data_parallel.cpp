@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "mpi_support.hpp"
 #include "support.hpp"
 #include "torch_models.hpp"
 
@@ -28,22 +29,10 @@ using namespace gradavg_test::models;  // Net, Deep, to_channels_last
 
 namespace {
 
-/// MPI for the life of the program, with the thread level mpi_data_parallel's worker needs.
-struct mpi_session {
-  mpi_session() {
-    int provided = 0;
-    MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
-  }
-  ~mpi_session() { MPI_Finalize(); }
-  mpi_session(const mpi_session&) = delete;
-  mpi_session& operator=(const mpi_session&) = delete;
-} const session;
+/// MPI for the life of the program, at the thread level mpi_data_parallel's worker needs.
+const gradavg_test::mpi_session session(MPI_THREAD_SERIALIZED);
 
-std::size_t world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return static_cast<std::size_t>(r);
-}
+std::size_t world_rank() { return static_cast<std::size_t>(gradavg_test::world_rank()); }
 
 bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.defined() != b.defined()) return false;
