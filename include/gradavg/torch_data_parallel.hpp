@@ -67,9 +67,9 @@ struct bucket_options {
 ///
 /// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
 /// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets
-/// averaged before keep their means; finish() throws the error a call over every parameter would
-/// throw (the one naming the earliest parameter), after the step's state is reset (the object
-/// stays usable). A gradient produced
+/// averaged before keep their means; finish() throws the failed buckets' error naming the
+/// earliest parameter (the rest is then not averaged), else the rest's error, after the step's
+/// state is reset (the object stays usable). A gradient produced
 /// twice by one replica since the last finish() (two backward passes without no_sync) is an error
 /// naming the parameter and the replica. If a replica's backward throws, call abandon() (or
 /// finish(), which then reports its missing gradients where they are undefined); nothing waits for
