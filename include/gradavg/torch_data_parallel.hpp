@@ -113,9 +113,9 @@ class data_parallel {
     wait_in_flight();
     step_reset reset{*this};
     check_produced_once();
-    summary buckets_summary;
     std::vector<std::uint64_t> done((parameter_count_ + 63) / 64, 0);
     std::size_t done_count = 0;
+    std::vector<const module_report*> reports;
     overlapped_ = 0;
     std::exception_ptr failure;
     for (const bucket& bk : buckets_) {
@@ -125,22 +125,14 @@ class data_parallel {
     if (failure) std::rethrow_exception(failure);
     for (const bucket& bk : buckets_) {
       if (!bk.queued) continue;
-      buckets_summary.averaged += bk.result.averaged;
-      buckets_summary.nonfinite_variables += bk.result.nonfinite_variables;
-      buckets_summary.towers = bk.result.towers;
-      buckets_summary.weighted_towers = bk.result.weighted_towers;
-      buckets_summary.total_samples = bk.result.total_samples;
+      reports.push_back(&bk.report);
       for (const std::size_t i : bk.parameters) {
         detail::presence::set(done, i);
         ++done_count;
       }
     }
-    if (done_count == parameter_count_ && done_count > 0) {
-      module_report all;
-      all.report = buckets_summary;
-      return all;
-    }
-    module_report rest = detail::average_replicas(
+    if (done_count == parameter_count_ && done_count > 0) return merged(reports, 0);
+    const module_report rest = detail::average_replicas(
         replicas_, opts_, mopts_, [](detail::presence&, const module_options&) {},
         [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
             std::span<variable_statistics>) {
@@ -148,10 +140,8 @@ class data_parallel {
           return average_gradients_into(tg, means, opts_);
         },
         &done);
-    rest.report.skipped -= std::min(rest.report.skipped, done_count);
-    rest.report.averaged += buckets_summary.averaged;
-    rest.report.nonfinite_variables += buckets_summary.nonfinite_variables;
-    return rest;
+    reports.push_back(&rest);
+    return merged(reports, done_count);
   }
 
   /// Forgets the step: waits for the buckets in flight (which keep their means) and resets, so
@@ -240,9 +230,8 @@ class data_parallel {
   struct bucket {
     std::vector<std::size_t> parameters;
     bool queued = false;
-    summary result;
     std::exception_ptr failure;
-    module_report report;                // across processes: over()'s report
+    module_report report;                // the bucket's call's report
     std::vector<std::uint64_t> masked;   // across processes: every parameter but this bucket's
   };
 
@@ -289,8 +278,6 @@ class data_parallel {
     if (what != nullptr)
       throw option_error(std::string("gradavg::libtorch::data_parallel: ") + what +
                          " is not available with buckets (it spans every parameter); use average_module_gradients");
-    for (std::size_t k = 0; k < replicas_.size(); ++k)
-      if (replicas_[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
   }
 
   /// Buckets in reverse parameter order over the parameters that require a gradient on replica 0.
@@ -420,24 +407,31 @@ class data_parallel {
     }
     if (failure) std::rethrow_exception(failure);
     check_produced_once();
-    module_report merged;
+    return merged(reports, masked_total);
+  }
+
+  /// The report of one call over every parameter from the reports of calls over parts of them:
+  /// counts summed (less `masked`, the parameters the calls read as absent, which each counted as
+  /// skipped), names in named_parameters() order.
+  module_report merged(const std::vector<const module_report*>& reports, std::size_t masked) const {
+    module_report all;
     std::vector<std::pair<std::size_t, std::string>> skipped, zero_filled;
     for (const module_report* r : reports) {
-      merged.report.averaged += r->report.averaged;
-      merged.report.skipped += r->report.skipped;
-      merged.report.nonfinite_variables += r->report.nonfinite_variables;
-      merged.report.towers = r->report.towers;
-      merged.report.weighted_towers = r->report.weighted_towers;
-      merged.report.total_samples = r->report.total_samples;
+      all.report.averaged += r->report.averaged;
+      all.report.skipped += r->report.skipped;
+      all.report.nonfinite_variables += r->report.nonfinite_variables;
+      all.report.towers = r->report.towers;
+      all.report.weighted_towers = r->report.weighted_towers;
+      all.report.total_samples = r->report.total_samples;
       for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
       for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
     }
-    merged.report.skipped -= std::min(merged.report.skipped, masked_total);
+    all.report.skipped -= std::min(all.report.skipped, masked);
     std::sort(skipped.begin(), skipped.end());
     std::sort(zero_filled.begin(), zero_filled.end());
-    for (auto& e : skipped) merged.skipped.push_back(std::move(e.second));
-    for (auto& e : zero_filled) merged.zero_filled.push_back(std::move(e.second));
-    return merged;
+    for (auto& e : skipped) all.skipped.push_back(std::move(e.second));
+    for (auto& e : zero_filled) all.zero_filled.push_back(std::move(e.second));
+    return all;
   }
 
   /// Of two errors (either may be null), the one a call over every parameter would throw: the
@@ -530,7 +524,7 @@ class data_parallel {
       }
       s.means.clear();
       for (const auto& e : s.towers[0]) s.means.push_back(e.first);
-      bk.result = average_gradients_into(s.towers, s.means, opts_);
+      bk.report.report = average_gradients_into(s.towers, s.means, opts_);
       detail::copy_to_replicas(s.towers, s.means, 1, opts_);
     } catch (...) {
       bk.failure = std::current_exception();
@@ -557,7 +551,6 @@ class data_parallel {
     for (std::size_t i = 0; i < replicas_.size() * parameter_count_; ++i) produced_[i].store(0);
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       buckets_[b].queued = false;
-      buckets_[b].result = summary{};
       buckets_[b].failure = nullptr;
       buckets_[b].report = module_report{};
       pending_[b].store(replicas_.size() * buckets_[b].parameters.size());
