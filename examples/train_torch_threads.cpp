@@ -6,15 +6,18 @@
 // slice of every batch on its own thread; gradavg::libtorch::data_parallel averages them into every
 // replica's .grad(), bucket by bucket while the backward passes still run (--one-shot: with
 // average_module_gradients once they have all returned; the same bits), and each replica's
-// optimizer takes the same step; broadcast_buffers then gives every replica replica 0's BatchNorm
-// running statistics, as DistributedDataParallel does.
+// optimizer takes the same step (--one-optimizer: the means go to replica 0 only, one optimizer
+// steps it, and broadcast_parameters copies its parameters into the others; the same bits again);
+// broadcast_buffers then gives every replica replica 0's BatchNorm running statistics, as
+// DistributedDataParallel does.
 //
 // Checks, each failing the program (exit 1): the first step's averaged gradient against the mean
 // of the slices' gradients computed one slice at a time by one model (max relative difference
 // under 1e-5), the convolution's gradient channels_last, every replica's parameters and buffers
 // identical at the end, and held-out accuracy (eval mode) of at least 90%.
 //
-//   train_torch_threads --data digits.csv [--replicas 4] [--epochs 40] [--one-shot] [--quiet]
+//   train_torch_threads --data digits.csv [--replicas 4] [--epochs 40] [--one-shot] [--one-optimizer]
+//                       [--quiet]
 // scripts/fetch-digits.sh gets digits.csv (from Debian's python3-sklearn package). Exit 77 when
 // the data file is missing (ctest reports the example skipped).
 #include <gradavg/torch_data_parallel.hpp>
@@ -39,16 +42,18 @@ using namespace digits;  // the model, the data, the checks
 int main(int argc, char** argv) {
   std::string data_path;
   int replica_count = 4, epochs = 40;
-  bool quiet = false, one_shot = false;
+  bool quiet = false, one_shot = false, one_optimizer = false;
   for (int a = 1; a < argc; ++a) {
     const std::string_view arg = argv[a];
     std::optional<int> value;
-    if (arg == "--quiet" || arg == "--one-shot") {
-      (arg == "--quiet" ? quiet : one_shot) = true;
+    if (arg == "--quiet" || arg == "--one-shot" || arg == "--one-optimizer") {
+      (arg == "--quiet" ? quiet : arg == "--one-shot" ? one_shot : one_optimizer) = true;
       continue;
     }
     if (a + 1 >= argc) {
-      std::fprintf(stderr, "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] [--quiet]\n",
+      std::fprintf(stderr,
+                   "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] [--one-optimizer] "
+                   "[--quiet]\n",
                    argv[0]);
       return 2;
     }
@@ -92,12 +97,17 @@ int main(int argc, char** argv) {
   gradavg::libtorch::broadcast_buffers(replicas);
   // Hooks on every replica's parameters; buckets of 2 KiB, as this model is small (about 10 KiB of
   // parameters): bench/bench_torch_overlap.cpp measures the size for a larger one.
+  // With one optimizer, the means go to replica 0 only.
+  const gradavg::libtorch::module_options mopts{
+      .means_to = one_optimizer ? gradavg::libtorch::mean_target::first_replica
+                                : gradavg::libtorch::mean_target::every_replica};
   std::optional<gradavg::libtorch::data_parallel> overlapped;
-  if (!one_shot) overlapped.emplace(replicas, gradavg::options{}, gradavg::libtorch::module_options{},
-                                    gradavg::libtorch::bucket_options{.bytes = 2048});
+  if (!one_shot)
+    overlapped.emplace(replicas, gradavg::options{}, mopts, gradavg::libtorch::bucket_options{.bytes = 2048});
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
-  for (auto& r : replicas)
-    optimizers.push_back(std::make_unique<torch::optim::SGD>(r->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
+  for (std::size_t k = 0; k < (one_optimizer ? 1 : k_count); ++k)
+    optimizers.push_back(
+        std::make_unique<torch::optim::SGD>(replicas[k]->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
 
   constexpr double gradient_tolerance = 1e-5;
   bool checked_first_step = false;
@@ -122,7 +132,8 @@ int main(int argc, char** argv) {
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(replicas) : overlapped->finish();
+      const auto report =
+          one_shot ? gradavg::libtorch::average_module_gradients(replicas, {}, mopts) : overlapped->finish();
       if (report.report.averaged != 6) {
         std::fprintf(stderr, "FAILED: %zu parameters averaged, 6 expected\n", report.report.averaged);
         return 1;
@@ -144,6 +155,7 @@ int main(int argc, char** argv) {
         checked_first_step = true;
       }
       for (auto& o : optimizers) o->step();
+      if (one_optimizer) gradavg::libtorch::broadcast_parameters(replicas);  // replica 0's step everywhere
       gradavg::libtorch::broadcast_buffers(replicas);  // replica 0's running statistics everywhere
       for (double l : losses) loss_sum += l / static_cast<double>(k_count);
     }

@@ -706,6 +706,28 @@ TEST_CASE("module_options::absent_as_zeros: a gradient absent on some replicas c
   }
 }
 
+TEST_CASE("module replicas: mean_target::first_replica writes replica 0's gradients only, the others keep theirs") {
+  auto replicas = wide_replicas(4, 61);
+  towers_t tg(4);
+  std::vector<std::vector<at::Tensor>> own(4);
+  for (std::size_t k = 0; k < 4; ++k)
+    for (const auto& p : replicas[k]->named_parameters()) {
+      tg[k].emplace_back(p.value().grad().clone(), p.key());
+      own[k].push_back(p.value().grad().clone());
+    }
+  const auto want = span_path<float, float>(tg, {});
+  counting_executor counter;
+  const gradavg::libtorch::module_options mopts{.means_to = gradavg::libtorch::mean_target::first_replica};
+  CHECK(gradavg::libtorch::average_module_gradients(replicas, {.pool = &counter}, mopts).report.averaged == 2);
+  CHECK(counter.calls == 1);  // the averaging only: nothing to copy
+  for (std::size_t i = 0; i < 2; ++i) {
+    INFO("parameter " << i);
+    const at::Tensor g = replicas[0]->parameters()[i].grad();
+    CHECK(gradavg_test::same_bits(static_cast<const float*>(g.data_ptr()), want[i].data(), want[i].size()));
+    for (std::size_t k = 1; k < 4; ++k) CHECK(bitwise_equal(replicas[k]->parameters()[i].grad(), own[k][i]));
+  }
+}
+
 namespace {
 
 /// Three replicas of one BatchNormNet whose running statistics differ (a train-mode forward of
@@ -775,6 +797,41 @@ TEST_CASE("broadcast_buffers: replicas of different models are an error before a
                     gradavg::tower_error);
   }
   for (std::size_t i = 0; i < before.size(); ++i) CHECK(bitwise_equal(replicas[2]->buffers()[i], before[i]));
+}
+
+TEST_CASE("broadcast_parameters, broadcast_buffers on the options' executor: replica 0's bytes in every replica") {
+  gradavg::thread_pool pool(2);
+  for (const char* how : {"threads 2", "a thread_pool of 2", "streaming stores, threads 2", "a counting executor"}) {
+    INFO(how);
+    auto replicas = wide_replicas(3, 67);
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& replica : replicas)
+        for (auto& p : replica->parameters()) p.add_(torch::randn_like(p));
+    }
+    const auto params0 = clones_of(replicas[0]->parameters());
+    const auto grads1 = clones_of({replicas[1]->parameters()[0].grad(), replicas[1]->parameters()[1].grad()});
+    const std::string h = how;
+    counting_executor counter;
+    gradavg::options opts;
+    if (h == "a thread_pool of 2")
+      opts.pool = &pool;
+    else if (h == "a counting executor")
+      opts.pool = &counter;
+    else
+      opts.threads = 2;
+    opts.streaming_stores = h.starts_with("streaming");
+    gradavg::libtorch::broadcast_parameters(replicas, opts);
+    gradavg::libtorch::broadcast_buffers(replicas, opts);  // Wide has none: nothing to do
+    for (std::size_t k = 0; k < 3; ++k)
+      for (std::size_t i = 0; i < params0.size(); ++i) {
+        INFO("replica " << k << ", parameter " << i);
+        CHECK(bitwise_equal(replicas[k]->parameters()[i], params0[i]));
+      }
+    CHECK(bitwise_equal(replicas[1]->parameters()[0].grad(), grads1[0]));  // gradients untouched
+    CHECK(bitwise_equal(replicas[1]->parameters()[1].grad(), grads1[1]));
+    if (h == "a counting executor") CHECK(counter.calls == 1);
+  }
 }
 
 namespace {

@@ -13,6 +13,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -146,6 +147,56 @@ TEST_CASE("data_parallel: the one-shot call's gradients bit for bit, every bucke
           t.sgd_step();
         }
       }
+    }
+  }
+}
+
+TEST_CASE("one optimizer on replica 0, means_to first_replica and broadcast_parameters: K optimizers' bits") {
+  at::set_num_threads(1);
+  using gradavg::libtorch::mean_target;
+  const auto adam = [](Deep& m) {
+    return torch::optim::Adam(m->parameters(), torch::optim::AdamOptions(1e-2).weight_decay(1e-3));
+  };
+  for (const bool overlapped : {false, true}) {
+    INFO((overlapped ? "data_parallel" : "average_module_gradients"));
+    twin_replicas t(3, 13);
+    const gradavg::options opts{.threads = 2};
+    const gradavg::libtorch::module_options first{.absent_as_zeros = true, .means_to = mean_target::first_replica};
+    const gradavg::libtorch::module_options every{.absent_as_zeros = true};
+    std::optional<gradavg::libtorch::data_parallel> dp;
+    if (overlapped) dp.emplace(t.overlapped, opts, first, gradavg::libtorch::bucket_options{.bytes = 700});
+    torch::optim::Adam one = adam(t.overlapped[0]);
+    std::vector<torch::optim::Adam> each;
+    for (auto& m : t.one_shot) each.push_back(adam(m));
+    for (std::uint64_t step = 0; step < 4; ++step) {
+      INFO("step " << step);
+      // Step 2: aux unused on replica 1 after zero_grad(true): zero-filled, on replica 0 only.
+      const std::vector<bool> use_aux = step == 2 ? std::vector<bool>{true, false, true} : std::vector<bool>{};
+      t.zero_grad(/*set_to_none=*/step % 2 == 0);
+      REQUIRE(!t.backward(t.overlapped, step, use_aux));
+      std::vector<std::vector<at::Tensor>> own(3);
+      for (std::size_t k = 1; k < 3; ++k)
+        for (const auto& p : t.overlapped[k]->parameters())
+          own[k].push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+      const auto got =
+          overlapped ? dp->finish() : gradavg::libtorch::average_module_gradients(t.overlapped, opts, first);
+      REQUIRE(!t.backward(t.one_shot, step, use_aux));
+      const auto want = gradavg::libtorch::average_module_gradients(t.one_shot, opts, every);
+      check_same_reports(got, want);
+      CHECK(got.zero_filled.size() == (step == 2 ? 2u : 0u));
+      for (std::size_t i = 0; i < own[1].size(); ++i) {
+        INFO("parameter " << i);
+        CHECK(bitwise_equal(t.overlapped[0]->parameters()[i].grad(), t.one_shot[0]->parameters()[i].grad()));
+        for (std::size_t k = 1; k < 3; ++k) CHECK(bitwise_equal(t.overlapped[k]->parameters()[i].grad(), own[k][i]));
+      }
+      one.step();
+      for (auto& o : each) o.step();
+      gradavg::libtorch::broadcast_parameters(t.overlapped, opts);
+      for (std::size_t k = 0; k < 3; ++k)
+        for (std::size_t i = 0; i < own[1].size(); ++i) {
+          INFO("replica " << k << ", parameter " << i);
+          CHECK(bitwise_equal(t.overlapped[k]->parameters()[i], t.one_shot[k]->parameters()[i]));
+        }
     }
   }
 }

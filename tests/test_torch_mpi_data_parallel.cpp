@@ -154,6 +154,44 @@ TEST_CASE("mpi_data_parallel: the one-shot call's gradients bit for bit on every
   }
 }
 
+TEST_CASE("mpi_data_parallel, means_to first_replica: one optimizer per rank, then its step in every replica") {
+  at::set_num_threads(1);
+  twin_replicas t(17);
+  const gradavg::libtorch::module_options first{.means_to = gradavg::libtorch::mean_target::first_replica};
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, first, {.bytes = 700});
+  const auto adam = [](Deep& m) { return torch::optim::Adam(m->parameters(), torch::optim::AdamOptions(1e-2)); };
+  torch::optim::Adam one = adam(t.overlapped[0]);
+  std::vector<torch::optim::Adam> each;
+  for (auto& m : t.one_shot) each.push_back(adam(m));
+  for (std::uint64_t step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    t.zero_grad(step % 2 == 0);
+    REQUIRE(!t.backward(t.overlapped, step));
+    std::vector<std::vector<at::Tensor>> own(t.overlapped.size());
+    for (std::size_t k = 1; k < t.overlapped.size(); ++k)
+      for (const auto& p : t.overlapped[k]->parameters()) own[k].push_back(p.grad().clone());
+    const auto got = dp.finish();
+    REQUIRE(!t.backward(t.one_shot, step));
+    const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);
+    check_same_reports(got, want);
+    const auto params = t.overlapped[0]->parameters();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      INFO("rank " << world_rank() << ", parameter " << i);
+      CHECK(bitwise_equal(params[i].grad(), t.one_shot[0]->parameters()[i].grad()));
+      for (std::size_t k = 1; k < t.overlapped.size(); ++k)
+        CHECK(bitwise_equal(t.overlapped[k]->parameters()[i].grad(), own[k][i]));
+    }
+    one.step();
+    for (auto& o : each) o.step();
+    gradavg::libtorch::broadcast_parameters(t.overlapped);
+    for (std::size_t k = 0; k < t.overlapped.size(); ++k)
+      for (std::size_t i = 0; i < params.size(); ++i) {
+        INFO("rank " << world_rank() << ", replica " << k << ", parameter " << i);
+        CHECK(bitwise_equal(t.overlapped[k]->parameters()[i], t.one_shot[k]->parameters()[i]));
+      }
+  }
+}
+
 TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the one-shot call says on every rank") {
   at::set_num_threads(1);
   const std::size_t no_aux = world_rank() == 1 ? 0 : ~std::size_t{0};

@@ -166,6 +166,16 @@ struct variable_traits<at::Tensor> {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace libtorch {
 
+/// Which replicas' .grad() tensors the module helpers write the means into.
+enum class mean_target : std::uint8_t {
+  /// Every replica's: each replica's own optimizer then takes the same step.
+  every_replica,
+  /// Replica 0's only, saving the K-1 copies: the other replicas keep the gradients their backward
+  /// produced. For one optimizer over replica 0's parameters, whose step broadcast_parameters then
+  /// copies into the other replicas.
+  first_replica,
+};
+
 /// How the module helpers treat parameters, besides gradavg::options.
 struct module_options {
   /// A parameter with a gradient on some replicas only (on the others grad() is undefined or
@@ -175,8 +185,10 @@ struct module_options {
   /// mean, and a replica without a gradient gets a new one, laid out as the parameter
   /// (at::zeros_like), attached only once the call has succeeded. Listed in
   /// module_report::zero_filled. A parameter without a gradient on every replica is skipped either
-  /// way.
+  /// way. With mean_target::first_replica only replica 0 receives a new gradient.
   bool absent_as_zeros = false;
+  /// Where the means go (mean_target).
+  mean_target means_to = mean_target::every_replica;
 };
 
 /// What average_module_gradients did.
@@ -247,7 +259,7 @@ inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, 
   std::memcpy(to, from, bytes);
 }
 
-/// Copies each defined means[i] into tg[k][i] for k = first..K-1, byte for byte (validation made their
+/// Copies each defined means[i] into tg[k][i] for k in [first, end), byte for byte (validation made their
 /// memory-order shapes and dtype equal, so the bytes lie in the same order), on the executor opts
 /// name: the means' bytes, as one flat range, split into chunks as the averaging splits its
 /// elements, each chunk copying blocks small enough to stay in cache into every replica in turn
@@ -255,7 +267,7 @@ inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, 
 /// An exception from the executor propagates, the copies then partly done.
 template <class TG>
 void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::size_t first_replica,
-                      const options& opts) {
+                      std::size_t end_replica, const options& opts) {
   constexpr std::size_t block = std::size_t{64} << 10;
   const bool stream = opts.streaming_stores;
   struct segment {
@@ -270,7 +282,7 @@ void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::s
     if (!means[i].defined() || means[i].nbytes() == 0) continue;
     const auto* from = static_cast<const std::byte*>(means[i].data_ptr());
     const std::size_t first = to.size();
-    for (std::size_t k = first_replica; k < tg.size(); ++k) {
+    for (std::size_t k = first_replica; k < std::min(end_replica, tg.size()); ++k) {
       auto* p = static_cast<std::byte*>(tg[k][i].first.data_ptr());
       if (p != from) to.push_back(p);  // else a parameter shared between replicas
     }
@@ -278,6 +290,7 @@ void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::s
     segments.push_back({from, total, total + means[i].nbytes(), first, to.size()});
     total += means[i].nbytes();
   }
+  if (total == 0) return;
   // Each byte is read once and written once per destination replica.
   const std::size_t chunks = gradavg::detail::chunk_count(total, std::max<std::size_t>(1, tg.size()), opts);
   auto chunk = [&](std::size_t c) {
@@ -317,7 +330,7 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 /// The replicas' parameters as towers of (gradient, name) entries, averaged by
 /// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients (squares:
 /// null, or new tensors for options.include_square, module_report::squares), then copied to
-/// the other replicas on opts' executor; parameters of several dtypes (the same on every process:
+/// the other replicas on opts' executor (none with mean_target::first_replica); parameters of several dtypes (the same on every process:
 /// agree leaves presence unknown otherwise) in one call per dtype, into outputs of their own,
 /// copied into every replica once every call has succeeded (an error in any call leaves every
 /// replica as it was). prior: what gathering the entries threw (a null replica, an
@@ -473,10 +486,12 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
     }
     means = std::move(outputs);
   }
-  for (const auto& f : fills) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
+  const std::size_t receivers = mopts.means_to == mean_target::first_replica ? 1 : k_count;
+  for (const auto& f : fills)
+    if (f.replica < receivers) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
   for (std::size_t i = 0; i < means.size(); ++i)
     if (!means[i].defined() && !averaged_already(i)) result.skipped.emplace_back(tg[0][i].second);
-  copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, opts);
+  copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, receivers, opts);
   return result;
 }
 
@@ -484,7 +499,9 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
 
 /// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
 /// the batch, on its own thread) into replica 0's .grad() tensors, in place, and copies the result
-/// into every other replica's, so each replica's optimizer takes the same step.
+/// into every other replica's, so each replica's optimizer takes the same step (or, with
+/// module_options::means_to = mean_target::first_replica, leaves the others' gradients alone, for
+/// one optimizer on replica 0 followed by broadcast_parameters).
 ///
 /// Variables are the parameters in named_parameters() order (recursively), named in messages;
 /// every replica must list the same names in the same order (variable_mismatch_error, or
@@ -600,15 +617,19 @@ inline std::vector<::torch::OrderedDict<std::string, at::Tensor>> alike_states(
 }
 
 /// Copies every tensor of states[0] into the same tensor of states[1..K-1], byte for byte (alike:
-/// the same bytes in the same order).
-inline void copy_state_to_other_replicas(const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& states) {
-  for (std::size_t k = 1; k < states.size(); ++k)
-    for (std::size_t i = 0; i < states[0].size(); ++i) {
-      const at::Tensor& from = states[0][i].value();
-      const at::Tensor& to = states[k][i].value();
-      if (from.defined() && to.data_ptr() != from.data_ptr() && from.nbytes() != 0)
-        std::memcpy(to.data_ptr(), from.data_ptr(), from.nbytes());
-    }
+/// the same bytes in the same order), through copy_to_replicas on opts' executor.
+inline void copy_state_to_other_replicas(const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& states,
+                                         const options& opts = {}) {
+  if (states.size() < 2) return;
+  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> to(states.size());
+  for (std::size_t k = 0; k < states.size(); ++k) {
+    to[k].reserve(states[k].size());
+    for (const auto& item : states[k]) to[k].emplace_back(item.value(), std::string_view(item.key()));
+  }
+  std::vector<at::Tensor> from;
+  from.reserve(states[0].size());
+  for (const auto& item : states[0]) from.push_back(item.value());
+  copy_to_replicas(to, from, 1, states.size(), opts);
 }
 
 /// Module* of each element of a range of replicas (Module*, std::shared_ptr<M>, ModuleHolder).
@@ -634,30 +655,34 @@ concept replica_range = std::ranges::random_access_range<R> &&
 /// and num_batches_tracked) into every other replica's, in place, byte for byte: after it the
 /// replicas compute the same eval() outputs from the same parameters. Every replica must list the
 /// same buffers, of one dtype and memory-order shape each (detail::alike_states' errors), all
-/// checked before anything is written. Call it between steps (no thread using the replicas).
-inline void broadcast_buffers(std::span<::torch::nn::Module* const> replicas) {
-  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::buffers));
+/// checked before anything is written. Call it between steps (no thread using the replicas). The
+/// copies run on opts' executor (options.threads, options.pool), split by bytes, through
+/// non-temporal stores with options.streaming_stores; no other field of opts is read.
+inline void broadcast_buffers(std::span<::torch::nn::Module* const> replicas, const options& opts = {}) {
+  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::buffers), opts);
 }
 
 /// The same for the parameters (named_parameters(), recursive, frozen ones included): replica 0's
 /// values into every other replica's, in place (gradients and autograd history untouched), so the
-/// replicas start in sync, as DistributedDataParallel's construction makes them.
-inline void broadcast_parameters(std::span<::torch::nn::Module* const> replicas) {
-  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::parameters));
+/// replicas start in sync, as DistributedDataParallel's construction makes them; and, after one
+/// optimizer's step on replica 0 (module_options::means_to = mean_target::first_replica), so that
+/// every replica holds the stepped parameters.
+inline void broadcast_parameters(std::span<::torch::nn::Module* const> replicas, const options& opts = {}) {
+  detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::parameters), opts);
 }
 
 /// broadcast_buffers for any range of replicas.
 template <replica_range R>
-void broadcast_buffers(const R& replicas) {
+void broadcast_buffers(const R& replicas, const options& opts = {}) {
   const auto modules = detail::modules_of(replicas);
-  broadcast_buffers(std::span<::torch::nn::Module* const>(modules));
+  broadcast_buffers(std::span<::torch::nn::Module* const>(modules), opts);
 }
 
 /// broadcast_parameters for any range of replicas.
 template <replica_range R>
-void broadcast_parameters(const R& replicas) {
+void broadcast_parameters(const R& replicas, const options& opts = {}) {
   const auto modules = detail::modules_of(replicas);
-  broadcast_parameters(std::span<::torch::nn::Module* const>(modules));
+  broadcast_parameters(std::span<::torch::nn::Module* const>(modules), opts);
 }
 
 }  // namespace libtorch

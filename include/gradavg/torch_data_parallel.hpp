@@ -512,7 +512,7 @@ class data_parallel {
   }
 
   /// The bucket's parameters averaged as average_module_gradients averages them: in place into
-  /// replica 0's gradients, then copied into the other replicas'.
+  /// replica 0's gradients, then copied into the other replicas' (as module_options::means_to says).
   void average_bucket(bucket& bk, scratch& s) noexcept {
     try {
       s.towers.resize(replicas_.size());
@@ -525,7 +525,8 @@ class data_parallel {
       s.means.clear();
       for (const auto& e : s.towers[0]) s.means.push_back(e.first);
       bk.report.report = average_gradients_into(s.towers, s.means, opts_);
-      detail::copy_to_replicas(s.towers, s.means, 1, opts_);
+      if (mopts_.means_to == mean_target::every_replica)
+        detail::copy_to_replicas(s.towers, s.means, 1, replicas_.size(), opts_);
     } catch (...) {
       bk.failure = std::current_exception();
     }
