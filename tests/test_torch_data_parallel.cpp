@@ -7,6 +7,8 @@
 
 #include <torch/torch.h>
 
+#include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -198,6 +200,57 @@ TEST_CASE("one optimizer on replica 0, means_to first_replica and broadcast_para
           CHECK(bitwise_equal(t.overlapped[k]->parameters()[i], t.one_shot[k]->parameters()[i]));
         }
     }
+  }
+}
+
+TEST_CASE("data_parallel: statistics summed bucket by bucket, the same bits for any thread count") {
+  at::set_num_threads(1);
+  twin_replicas one_thread(3, 19), two_threads(3, 19);
+  const gradavg::libtorch::module_options zeros{.absent_as_zeros = true};
+  gradavg::libtorch::data_parallel dp1(one_thread.overlapped, {.threads = 1, .statistics = true}, zeros, {.bytes = 700});
+  gradavg::libtorch::data_parallel dp2(two_threads.overlapped, {.threads = 2, .statistics = true}, zeros,
+                                       {.bytes = 700});
+  for (std::uint64_t step = 0; step < 3; ++step) {
+    INFO("step " << step);
+    // Step 1: aux unused on replica 2 after zero_grad(true): those parameters go to finish()'s rest.
+    const std::vector<bool> use_aux = step == 1 ? std::vector<bool>{true, true, false} : std::vector<bool>{};
+    const bool set_to_none = step == 1;
+    one_thread.zero_grad(set_to_none);
+    two_threads.zero_grad(set_to_none);
+    REQUIRE(!one_thread.backward(one_thread.overlapped, step, use_aux));
+    // The reference, from the one-shot set's gradients before averaging: per parameter, in double,
+    // the mean over the replicas (absent = zeros) and the mean of the squares.
+    REQUIRE(!one_thread.backward(one_thread.one_shot, step, use_aux));
+    double want_mean_squared = 0, want_mean_of_squares = 0;
+    const auto params0 = one_thread.one_shot[0]->parameters();
+    for (std::size_t i = 0; i < params0.size(); ++i) {
+      at::Tensor sum = torch::zeros_like(params0[i], torch::kDouble), squares = sum.clone();
+      for (auto& m : one_thread.one_shot) {
+        const at::Tensor g = m->parameters()[i].grad();
+        if (!g.defined()) continue;
+        sum += g.to(torch::kDouble);
+        squares += g.to(torch::kDouble).square();
+      }
+      want_mean_squared += (sum / 3).square().sum().item<double>();
+      want_mean_of_squares += (squares / 3).sum().item<double>();
+    }
+    REQUIRE(!two_threads.backward(two_threads.overlapped, step, use_aux));
+    const auto got1 = dp1.finish(), got2 = dp2.finish();
+    const auto want = gradavg::libtorch::average_module_gradients(one_thread.one_shot, {.statistics = true}, zeros);
+    REQUIRE(got1.report.statistics);
+    CHECK(std::bit_cast<std::uint64_t>(got1.report.sum_mean_squared) ==
+          std::bit_cast<std::uint64_t>(got2.report.sum_mean_squared));
+    CHECK(std::bit_cast<std::uint64_t>(got1.report.sum_mean_of_squares) ==
+          std::bit_cast<std::uint64_t>(got2.report.sum_mean_of_squares));
+    CHECK(got1.report.sum_mean_squared == Approx(want.report.sum_mean_squared).epsilon(1e-12));
+    CHECK(got1.report.sum_mean_of_squares == Approx(want.report.sum_mean_of_squares).epsilon(1e-12));
+    CHECK(got1.report.sum_mean_squared == Approx(want_mean_squared).epsilon(1e-6));
+    CHECK(got1.report.sum_mean_of_squares == Approx(want_mean_of_squares).epsilon(1e-6));
+    CHECK(got1.report.global_norm() == Approx(std::sqrt(want_mean_squared)).epsilon(1e-6));
+    CHECK(dp1.overlapped_buckets() == (step == 1 ? dp1.buckets().size() - 1 : dp1.buckets().size()));
+    one_thread.check_same_gradients();
+    one_thread.sgd_step();
+    two_threads.sgd_step();
   }
 }
 
@@ -419,7 +472,8 @@ TEST_CASE("data_parallel: the destructor removes every hook, and the replicas th
 
 TEST_CASE("data_parallel: options that span every parameter, null replicas and unlike replicas are errors") {
   twin_replicas t(2, 43);
-  for (const gradavg::options& o : {gradavg::options{.include_square = true}, gradavg::options{.statistics = true},
+  std::vector<gradavg::variable_statistics> per_variable(12);
+  for (const gradavg::options& o : {gradavg::options{.include_square = true}, gradavg::options{.per_variable = per_variable},
                                     gradavg::options{.range = {0, 10}}}) {
     CHECK(gradavg_test::contains(
         gradavg_test::message_of<gradavg::option_error>([&] { gradavg::libtorch::data_parallel dp(t.overlapped, o); }),

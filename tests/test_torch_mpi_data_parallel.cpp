@@ -9,6 +9,7 @@
 #include <mpi.h>
 #include <torch/torch.h>
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -154,11 +155,13 @@ TEST_CASE("mpi_data_parallel: the one-shot call's gradients bit for bit on every
   }
 }
 
-TEST_CASE("mpi_data_parallel, means_to first_replica: one optimizer per rank, then its step in every replica") {
+TEST_CASE("mpi_data_parallel, means_to first_replica and statistics: one optimizer per rank, one norm everywhere") {
   at::set_num_threads(1);
   twin_replicas t(17);
   const gradavg::libtorch::module_options first{.means_to = gradavg::libtorch::mean_target::first_replica};
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, first, {.bytes = 700});
+  gradavg::mpi::options opts;
+  opts.statistics = true;
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, first, {.bytes = 700});
   const auto adam = [](Deep& m) { return torch::optim::Adam(m->parameters(), torch::optim::AdamOptions(1e-2)); };
   torch::optim::Adam one = adam(t.overlapped[0]);
   std::vector<torch::optim::Adam> each;
@@ -172,8 +175,15 @@ TEST_CASE("mpi_data_parallel, means_to first_replica: one optimizer per rank, th
       for (const auto& p : t.overlapped[k]->parameters()) own[k].push_back(p.grad().clone());
     const auto got = dp.finish();
     REQUIRE(!t.backward(t.one_shot, step));
-    const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);
+    const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts);
     check_same_reports(got, want);
+    // Buckets sum the statistics in another order than the one-shot call: the same within
+    // rounding, and the same bits on every rank.
+    REQUIRE(got.report.statistics);
+    CHECK(got.report.sum_mean_squared == Approx(want.report.sum_mean_squared).epsilon(1e-12));
+    CHECK(got.report.sum_mean_of_squares == Approx(want.report.sum_mean_of_squares).epsilon(1e-12));
+    CHECK(same_on_every_rank(std::bit_cast<std::uint64_t>(got.report.sum_mean_squared)));
+    CHECK(same_on_every_rank(std::bit_cast<std::uint64_t>(got.report.sum_mean_of_squares)));
     const auto params = t.overlapped[0]->parameters();
     for (std::size_t i = 0; i < params.size(); ++i) {
       INFO("rank " << world_rank() << ", parameter " << i);

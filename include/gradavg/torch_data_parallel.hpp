@@ -60,10 +60,14 @@ struct bucket_options {
 /// require a gradient when the object is built; the replicas must be alike then (broadcast's
 /// checks: names, dtypes, shapes), and must not be rebuilt, moved or re-registered while it lives.
 ///
-/// The fused options that sum over every parameter (include_square, statistics, per_variable,
-/// range) and options.layout are option_error here: use average_module_gradients for them. weights,
-/// scale, accumulate, on_nonfinite (counted in the report), threads, pool and streaming_stores
-/// apply to every bucket.
+/// options.statistics: each bucket's call computes its parameters' sums, and the report adds them
+/// up in bucket order, then the rest's (report.global_norm(), clip_coefficient(), noise()): the
+/// same bits for any thread count and from step to step for the same averaged values, within
+/// rounding of the one-shot call's sums (which add the same terms in another order); across
+/// processes the same bits on every rank. include_square, per_variable and range (results per
+/// element or per parameter over one pass of every parameter) and options.layout are option_error
+/// here: use average_module_gradients for them. weights, scale, accumulate, on_nonfinite (counted
+/// in the report), threads, pool and streaming_stores apply to every bucket.
 ///
 /// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
 /// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets
@@ -271,7 +275,6 @@ class data_parallel {
   void check_options() const {
     const char* what = nullptr;
     if (opts_.include_square) what = "options.include_square";
-    else if (opts_.statistics) what = "options.statistics";
     else if (!opts_.per_variable.empty()) what = "options.per_variable";
     else if (opts_.range.begin != 0 || opts_.range.end != element_range{}.end) what = "options.range";
     else if (opts_.layout != nullptr) what = "options.layout";
@@ -412,9 +415,11 @@ class data_parallel {
 
   /// The report of one call over every parameter from the reports of calls over parts of them:
   /// counts summed (less `masked`, the parameters the calls read as absent, which each counted as
-  /// skipped), names in named_parameters() order.
+  /// skipped), statistics summed in the reports' order, names in named_parameters() order.
   module_report merged(const std::vector<const module_report*>& reports, std::size_t masked) const {
     module_report all;
+    all.report.statistics = opts_.statistics;
+    if (opts_.statistics) all.report.sum_mean_squared = all.report.sum_mean_of_squares = 0;
     std::vector<std::pair<std::size_t, std::string>> skipped, zero_filled;
     for (const module_report* r : reports) {
       all.report.averaged += r->report.averaged;
@@ -423,6 +428,10 @@ class data_parallel {
       all.report.towers = r->report.towers;
       all.report.weighted_towers = r->report.weighted_towers;
       all.report.total_samples = r->report.total_samples;
+      if (opts_.statistics) {
+        all.report.sum_mean_squared += r->report.sum_mean_squared;
+        all.report.sum_mean_of_squares += r->report.sum_mean_of_squares;
+      }
       for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
       for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
     }
