@@ -8,6 +8,8 @@
 // default). Bytes credited: (K + 1) x total x 4 (every gradient read once, one output written),
 // the least any of them must move. Before timing, each way's result on fresh data is compared
 // with torch's double-precision mean (relative 1e-6; exit 1 otherwise).
+// module_call: the cost of average_module_gradients over the averaging alone (K = 4 replicas of one
+// 64 MiB parameter, threads = 2), with the means copied into every replica or left in replica 0's.
 #include <gradavg/torch.hpp>
 
 #include <benchmark/benchmark.h>
@@ -115,7 +117,64 @@ void args(benchmark::internal::Benchmark* b) {
   b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(1.0);
 }
 
+/// One parameter of 4096 x 4096 floats (16 Mi values, 64 MiB).
+struct WideImpl : torch::nn::Cloneable<WideImpl> {
+  WideImpl() { reset(); }
+  void reset() override { w = register_parameter("w", torch::zeros({4096, 4096})); }
+  at::Tensor w;
+};
+TORCH_MODULE(Wide);
+
+enum class module_way : std::int64_t { averaging_alone, every_replica, first_replica, every_replica_streaming };
+
+/// K = 4 replicas of Wide with random gradients, threads = 2: the averaging alone
+/// (average_gradients_into in place into replica 0's gradient), and average_module_gradients with
+/// the means copied into every replica (mean_target::every_replica) or left in replica 0's
+/// (mean_target::first_replica); every_replica_streaming: every_replica with options.streaming_stores.
+/// Bytes credited: the least each must move, (K + 1) x 64 MiB, plus K x 64 MiB (the mean read once,
+/// written into K - 1 replicas) when every replica receives the means.
+void module_call(benchmark::State& state) {
+  const auto w = static_cast<module_way>(state.range(0));
+  constexpr std::size_t k_count = 4;
+  static std::vector<Wide> replicas;
+  if (replicas.empty()) {
+    torch::manual_seed(11);
+    for (std::size_t k = 0; k < k_count; ++k) {
+      replicas.emplace_back();
+      replicas.back()->w.mutable_grad() = torch::rand({4096, 4096}) * 2 - 1;
+    }
+  }
+  const gradavg::options opts{.threads = 2, .streaming_stores = w == module_way::every_replica_streaming};
+  std::vector<std::vector<std::pair<at::Tensor, std::string>>> tg(k_count);
+  for (std::size_t k = 0; k < k_count; ++k) tg[k].emplace_back(replicas[k]->w.grad(), "w");
+  std::vector<at::Tensor> means{replicas[0]->w.grad()};
+  const gradavg::libtorch::module_options mopts{.means_to = w == module_way::first_replica
+                                                                ? gradavg::libtorch::mean_target::first_replica
+                                                                : gradavg::libtorch::mean_target::every_replica};
+  for (auto _ : state) {
+    if (w == module_way::averaging_alone)
+      gradavg::average_gradients_into(tg, means, opts);
+    else
+      gradavg::libtorch::average_module_gradients(replicas, opts, mopts);
+    benchmark::ClobberMemory();
+  }
+  const std::size_t bytes = std::size_t{4096} * 4096 * sizeof(float);
+  const bool copies = w == module_way::every_replica || w == module_way::every_replica_streaming;
+  const std::size_t moved = (k_count + 1 + (copies ? k_count : 0)) * bytes;
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * moved));
+}
+
 }  // namespace
+
+BENCHMARK(module_call)
+    ->ArgName("way")
+    ->Arg(static_cast<std::int64_t>(module_way::averaging_alone))
+    ->Arg(static_cast<std::int64_t>(module_way::every_replica))
+    ->Arg(static_cast<std::int64_t>(module_way::first_replica))
+    ->Arg(static_cast<std::int64_t>(module_way::every_replica_streaming))
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(1.0);
 
 // Each way over every (K, threads) point; the towers are made again when K changes.
 BENCHMARK_CAPTURE(run, gradavg, way_gradavg)->Apply(args);
