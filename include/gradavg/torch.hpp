@@ -339,15 +339,19 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 /// replica of every process (a no-op in one process), or unknown where the processes' parameter
 /// counts or dtypes differ; called on every call, known or not. done: null, or the parameters
 /// (bits as presence's) averaged already (data_parallel's buckets), read as absent on every replica
-/// and left out of module_report::skipped.
+/// and left out of module_report::skipped. known: null, or the replicas' named_parameters() kept
+/// from an earlier call (data_parallel's, whose replicas do not change), read instead of asking
+/// every replica again.
 template <class Agree, class Average>
 module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
                                const module_options& mopts, Agree&& agree, Average&& average,
-                               const std::vector<std::uint64_t>* done = nullptr) {
+                               const std::vector<std::uint64_t>* done = nullptr,
+                               const std::vector<::torch::OrderedDict<std::string, at::Tensor>>* known = nullptr) {
   const auto averaged_already = [done](std::size_t i) { return done != nullptr && presence::has(*done, i); };
   const std::size_t k_count = replicas.size();
   // named_parameters() holds the names; the entries view them.
-  std::vector<::torch::OrderedDict<std::string, at::Tensor>> params;
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> asked;
+  const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params = known != nullptr ? *known : asked;
   std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg;
   std::vector<at::Tensor> means;
   presence seen;
@@ -355,8 +359,10 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
   try {
     for (std::size_t k = 0; k < k_count; ++k)
       if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
-    params.reserve(k_count);
-    for (auto* m : replicas) params.push_back(m->named_parameters(/*recurse=*/true));
+    if (known == nullptr) {
+      asked.reserve(k_count);
+      for (auto* m : replicas) asked.push_back(m->named_parameters(/*recurse=*/true));
+    }
     tg.resize(k_count);
     for (std::size_t k = 0; k < k_count; ++k) {
       tg[k].reserve(params[k].size());

@@ -143,7 +143,7 @@ class data_parallel {
           if (prior) std::rethrow_exception(prior);
           return average_gradients_into(tg, means, opts_);
         },
-        &done);
+        &done, &params_);
     reports.push_back(&rest);
     return merged(reports, done_count);
   }
@@ -192,8 +192,10 @@ class data_parallel {
 
  protected:
   /// One call of the module helper over every parameter but the masked ones (bits as
-  /// detail::presence's): across processes, a collective call.
-  using masked_call = std::function<module_report(const std::vector<std::uint64_t>& masked)>;
+  /// detail::presence's), given the replicas' named_parameters(): across processes, a collective
+  /// call.
+  using masked_call = std::function<module_report(const std::vector<std::uint64_t>& masked,
+                                                  const std::vector<::torch::OrderedDict<std::string, at::Tensor>>&)>;
   /// Called on every process once the buckets are assigned (or assigning them failed), before
   /// any hook: throws on every process when one failed or the processes' buckets differ.
   using agreement = std::function<void(std::uint64_t buckets_fingerprint, std::exception_ptr failure)>;
@@ -368,7 +370,7 @@ class data_parallel {
       bucket& bk = buckets_[in_order_next_];
       lock.unlock();
       try {
-        bk.report = over_(bk.masked);
+        bk.report = over_(bk.masked, params_);
       } catch (...) {
         bk.failure = std::current_exception();
       }
@@ -401,7 +403,7 @@ class data_parallel {
     module_report rest;
     if (!rest_mask_.empty()) {
       try {
-        rest = over_(rest_mask_);
+        rest = over_(rest_mask_, params_);
       } catch (...) {
         failure = earlier_in_parameter_order(failure, std::current_exception());
       }

@@ -237,7 +237,8 @@ class mpi_data_parallel final : public data_parallel {
   static masked_call over(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
                           const gradavg::mpi::options& opts, const module_options& mopts) {
     return [comm, modules = std::vector<::torch::nn::Module*>(replicas.begin(), replicas.end()), opts,
-            mopts](const std::vector<std::uint64_t>& masked) {
+            mopts](const std::vector<std::uint64_t>& masked,
+                   const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params) {
       return detail::average_replicas(
           std::span<::torch::nn::Module* const>(modules), opts, mopts,
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
@@ -246,7 +247,7 @@ class mpi_data_parallel final : public data_parallel {
             return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
                                                           opts, prior);
           },
-          &masked);
+          &masked, &params);
     };
   }
 
