@@ -1,0 +1,420 @@
+// gradavg internals: the libtorch module helpers' reading of K replicas — their parameters as
+// towers of (gradient, name) entries, presence, the averaging by dtype, the copies into the other
+// replicas — and the checks and copies of the broadcasts (<gradavg/torch.hpp>).
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <span>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "../average.hpp"
+#include "../errors.hpp"
+#include "../options.hpp"
+#include "../torch_tensor.hpp"
+#include "../torch_types.hpp"
+#include "isa.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace libtorch::detail {
+
+
+/// The module behind a Module*, a std::shared_ptr<Module> or a ModuleHolder (torch::nn::Linear).
+template <class M>
+::torch::nn::Module* module_of(const M& m) {
+  if constexpr (std::is_pointer_v<M>)
+    return m;
+  else if constexpr (requires { m.ptr(); })
+    return m.is_empty() ? nullptr : m.ptr().get();
+  else
+    return m.get();
+}
+
+/// Which parameters have a gradient on some replica, and which lack one on some replica: bit i % 64
+/// of word i / 64 for parameter i. known: false where the replicas could not be read or list
+/// different parameter counts (validation then reports it).
+struct presence {
+  bool known = false;
+  std::size_t parameters = 0;
+  std::vector<std::uint64_t> present, absent;
+  /// FNV-1a of replica 0's parameters' dtypes in order (0 where not known).
+  std::uint64_t dtypes = 0;
+
+  static bool has(const std::vector<std::uint64_t>& bits, std::size_t i) noexcept {
+    return ((bits[i / 64] >> (i % 64)) & 1u) != 0;
+  }
+  static void set(std::vector<std::uint64_t>& bits, std::size_t i) noexcept {
+    bits[i / 64] |= std::uint64_t{1} << (i % 64);
+  }
+};
+
+/// Copies bytes from `from` to `to`; with stream, through non-temporal stores where the target has
+/// them (SSE2), which bypass the caches (the caller's chunk ends with a store fence).
+inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, bool stream) noexcept {
+#if defined(__SSE2__)
+  if (stream && bytes >= 256) {
+    const std::size_t head = (16 - reinterpret_cast<std::uintptr_t>(to) % 16) % 16;
+    std::memcpy(to, from, head);
+    std::size_t i = head;
+    for (; i + 64 <= bytes; i += 64)
+      for (std::size_t j = 0; j < 64; j += 16)
+        _mm_stream_si128(reinterpret_cast<__m128i*>(to + i + j),
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(from + i + j)));
+    std::memcpy(to + i, from + i, bytes - i);
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  std::memcpy(to, from, bytes);
+}
+
+/// Copies each defined means[i] into tg[k][i] for k in [first, end), byte for byte (validation made their
+/// memory-order shapes and dtype equal, so the bytes lie in the same order), on the executor opts
+/// name: the means' bytes, as one flat range, split into chunks as the averaging splits its
+/// elements, each chunk copying blocks small enough to stay in cache into every replica in turn
+/// (each mean is read from memory once), through non-temporal stores with options.streaming_stores.
+/// An exception from the executor propagates, the copies then partly done.
+template <class TG>
+void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::size_t first_replica,
+                      std::size_t end_replica, const options& opts) {
+  constexpr std::size_t block = std::size_t{64} << 10;
+  const bool stream = opts.streaming_stores;
+  struct segment {
+    const std::byte* from;
+    std::size_t begin, end;   // its bytes' place in the flat range of all copied means
+    std::size_t first, last;  // its destinations: to[first, last)
+  };
+  std::vector<segment> segments;
+  std::vector<std::byte*> to;
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < means.size(); ++i) {
+    if (!means[i].defined() || means[i].nbytes() == 0) continue;
+    const auto* from = static_cast<const std::byte*>(means[i].data_ptr());
+    const std::size_t first = to.size();
+    for (std::size_t k = first_replica; k < std::min(end_replica, tg.size()); ++k) {
+      auto* p = static_cast<std::byte*>(tg[k][i].first.data_ptr());
+      if (p != from) to.push_back(p);  // else a parameter shared between replicas
+    }
+    if (to.size() == first) continue;
+    segments.push_back({from, total, total + means[i].nbytes(), first, to.size()});
+    total += means[i].nbytes();
+  }
+  if (total == 0) return;
+  // Each byte is read once and written once per destination replica.
+  const std::size_t chunks = gradavg::detail::chunk_count(total, std::max<std::size_t>(1, tg.size()), opts);
+  auto chunk = [&](std::size_t c) {
+    std::size_t begin = total / chunks * c + std::min(c, total % chunks);
+    const std::size_t end = begin + total / chunks + (c < total % chunks ? 1 : 0);
+    auto s = std::upper_bound(segments.begin(), segments.end(), begin,
+                              [](std::size_t b, const segment& x) { return b < x.end; });
+    for (; begin < end; ++s) {
+      const std::size_t stop = std::min(end, s->end);
+      for (std::size_t at = begin - s->begin; at < stop - s->begin; at += block) {
+        const std::size_t bytes = std::min(block, stop - s->begin - at);
+        for (std::size_t d = s->first; d < s->last; ++d) copy_bytes(to[d] + at, s->from + at, bytes, stream);
+      }
+      begin = stop;
+    }
+    if (stream) gradavg::detail::streaming_fence();
+  };
+  gradavg::detail::run_chunks(chunks, chunk, opts);
+}
+
+/// The indices of the parameters of each dtype, the dtypes in order of first appearance.
+inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::OrderedDict<std::string, at::Tensor>& params) {
+  std::vector<at::ScalarType> dtypes;
+  std::vector<std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const at::ScalarType t = params[i].value().scalar_type();
+    const auto g = static_cast<std::size_t>(std::find(dtypes.begin(), dtypes.end(), t) - dtypes.begin());
+    if (g == dtypes.size()) {
+      dtypes.push_back(t);
+      groups.emplace_back();
+    }
+    groups[g].push_back(i);
+  }
+  return groups;
+}
+
+/// The replicas' parameters as towers of (gradient, name) entries, averaged by
+/// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients (squares:
+/// null, or new tensors for options.include_square, module_report::squares), then copied to
+/// the other replicas on opts' executor (none with mean_target::first_replica); parameters of several dtypes (the same on every process:
+/// agree leaves presence unknown otherwise) in one call per dtype, into outputs of their own,
+/// copied into every replica once every call has succeeded (an error in any call leaves every
+/// replica as it was). prior: what gathering the entries threw (a null replica, an
+/// allocation), for the averaging call to rethrow, after agreeing on it with the other processes
+/// where there are any. agree(presence&, mopts): makes the replicas' presence that of every
+/// replica of every process (a no-op in one process), or unknown where the processes' parameter
+/// counts or dtypes differ; called on every call, known or not. done: null, or the parameters
+/// (bits as presence's) averaged already (data_parallel's buckets), read as absent on every replica
+/// and left out of module_report::skipped. known: null, or the replicas' named_parameters() kept
+/// from an earlier call (data_parallel's, whose replicas do not change), read instead of asking
+/// every replica again.
+template <class Agree, class Average>
+module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
+                               const module_options& mopts, Agree&& agree, Average&& average,
+                               const std::vector<std::uint64_t>* done = nullptr,
+                               const std::vector<::torch::OrderedDict<std::string, at::Tensor>>* known = nullptr) {
+  const auto averaged_already = [done](std::size_t i) { return done != nullptr && presence::has(*done, i); };
+  const std::size_t k_count = replicas.size();
+  // named_parameters() holds the names; the entries view them.
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> asked;
+  const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params = known != nullptr ? *known : asked;
+  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg;
+  std::vector<at::Tensor> means;
+  presence seen;
+  std::exception_ptr prior;
+  try {
+    for (std::size_t k = 0; k < k_count; ++k)
+      if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+    if (known == nullptr) {
+      asked.reserve(k_count);
+      for (auto* m : replicas) asked.push_back(m->named_parameters(/*recurse=*/true));
+    }
+    tg.resize(k_count);
+    for (std::size_t k = 0; k < k_count; ++k) {
+      tg[k].reserve(params[k].size());
+      for (std::size_t i = 0; i < params[k].size(); ++i) {
+        const auto& item = params[k][i];
+        const at::Tensor& p = item.value();
+        const bool take = p.requires_grad() && !averaged_already(i);
+        tg[k].emplace_back(take ? p.grad() : at::Tensor(), std::string_view(item.key()));
+      }
+    }
+    // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
+    if (k_count > 0) {
+      means.reserve(tg[0].size());
+      for (const auto& e : tg[0]) means.push_back(e.first);
+    }
+    if (k_count > 0 && std::all_of(tg.begin(), tg.end(), [&](const auto& t) { return t.size() == tg[0].size(); })) {
+      seen.parameters = tg[0].size();
+      seen.present.assign((seen.parameters + 63) / 64, 0);
+      seen.absent.assign(seen.present.size(), 0);
+      for (const auto& tower : tg)
+        for (std::size_t i = 0; i < seen.parameters; ++i)
+          presence::set(tower[i].first.defined() ? seen.present : seen.absent, i);
+      seen.dtypes = 1469598103934665603ull;
+      for (const auto& item : params[0])
+        seen.dtypes = (seen.dtypes ^ static_cast<std::uint64_t>(item.value().scalar_type())) * 1099511628211ull;
+      seen.known = true;
+    }
+  } catch (...) {
+    prior = std::current_exception();
+    tg.clear();
+    means.clear();
+    seen = presence{};
+  }
+  agree(seen, mopts);
+  // absent_as_zeros: a zero gradient for every replica that lacks one, attached after success.
+  struct fill {
+    std::size_t replica, parameter;
+  };
+  std::vector<fill> fills;
+  module_report result;
+  if (mopts.absent_as_zeros && seen.known && !prior) {
+    try {
+      for (std::size_t i = 0; i < seen.parameters; ++i) {
+        if (!presence::has(seen.present, i) || !presence::has(seen.absent, i)) continue;
+        result.zero_filled.emplace_back(tg[0][i].second);
+        for (std::size_t k = 0; k < k_count; ++k) {
+          if (tg[k][i].first.defined()) continue;
+          tg[k][i].first = at::zeros_like(params[k][i].value());
+          if (k == 0) means[i] = tg[0][i].first;
+          fills.push_back({k, i});
+        }
+      }
+    } catch (...) {
+      prior = std::current_exception();
+      tg.clear();
+      means.clear();
+      fills.clear();
+      result.zero_filled.clear();
+    }
+  }
+  // options.include_square: new tensors laid out as the means (the same memory-order shapes).
+  if (opts.include_square && !prior) {
+    try {
+      result.squares.resize(means.size());
+      for (std::size_t i = 0; i < means.size(); ++i)
+        if (means[i].defined()) result.squares[i] = at::empty_like(means[i]);
+    } catch (...) {
+      prior = std::current_exception();
+      result.squares.clear();
+    }
+  }
+  std::vector<at::Tensor>* squares = opts.include_square ? &result.squares : nullptr;
+  // Parameters of several dtypes: one call per dtype (in order of first appearance), each into
+  // outputs of its own, copied into every replica once every call has succeeded.
+  std::vector<std::vector<std::size_t>> groups;
+  if (seen.known && !prior && k_count > 0) {
+    try {
+      groups = dtype_groups(params[0]);
+      if (groups.size() > 1) {
+        if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
+          throw option_error("gradavg::libtorch: options.range with parameters of several dtypes (each dtype is "
+                             "averaged in a call of its own); pass the whole range");
+        if (!opts.per_variable.empty() && opts.per_variable.size() != seen.parameters)
+          throw option_error("gradavg: options.per_variable holds " + std::to_string(opts.per_variable.size()) +
+                             " entries but the replicas hold " + std::to_string(seen.parameters) +
+                             " parameters; pass one per parameter or none");
+      }
+    } catch (...) {
+      prior = std::current_exception();
+      groups.clear();
+    }
+  }
+  if (groups.size() <= 1) {
+    result.report = average(tg, means, squares, prior, opts.per_variable);
+  } else {
+    std::vector<at::Tensor> outputs(means.size());
+    for (std::size_t i = 0; i < means.size(); ++i)
+      if (means[i].defined()) outputs[i] = at::empty_like(means[i]);
+    std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> group_tg(k_count);
+    std::vector<at::Tensor> group_outputs, group_squares;
+    std::vector<variable_statistics> group_statistics;
+    for (std::size_t g = 0; g < groups.size(); ++g) {
+      for (std::size_t k = 0; k < k_count; ++k) {
+        group_tg[k].clear();
+        for (const std::size_t i : groups[g]) group_tg[k].push_back(tg[k][i]);
+      }
+      group_outputs.clear();
+      group_squares.clear();
+      group_statistics.clear();
+      for (const std::size_t i : groups[g]) {
+        group_outputs.push_back(outputs[i]);
+        if (squares) group_squares.push_back(result.squares[i]);
+        if (!opts.per_variable.empty()) group_statistics.push_back(opts.per_variable[i]);
+      }
+      const summary s = average(group_tg, group_outputs, squares ? &group_squares : nullptr, nullptr,
+                                std::span<variable_statistics>(group_statistics));
+      for (std::size_t j = 0; j < group_statistics.size(); ++j) opts.per_variable[groups[g][j]] = group_statistics[j];
+      if (g == 0) {
+        result.report = s;
+      } else {
+        result.report.averaged += s.averaged;
+        result.report.skipped += s.skipped;
+        result.report.nonfinite_variables += s.nonfinite_variables;
+        result.report.sum_mean_squared += s.sum_mean_squared;
+        result.report.sum_mean_of_squares += s.sum_mean_of_squares;
+      }
+    }
+    means = std::move(outputs);
+  }
+  const std::size_t receivers = mopts.means_to == mean_target::first_replica ? 1 : k_count;
+  for (const auto& f : fills)
+    if (f.replica < receivers) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
+  for (std::size_t i = 0; i < means.size(); ++i)
+    if (!means[i].defined() && !averaged_already(i)) result.skipped.emplace_back(tg[0][i].second);
+  copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, receivers, opts);
+  return result;
+}
+
+
+
+/// Which of a module's tensors a broadcast copies.
+enum class state_kind : std::uint8_t { parameters, buffers };
+
+/// named_parameters() or named_buffers() (recursive) of m.
+inline ::torch::OrderedDict<std::string, at::Tensor> state_of(::torch::nn::Module& m, state_kind kind) {
+  return kind == state_kind::parameters ? m.named_parameters(/*recurse=*/true) : m.named_buffers(/*recurse=*/true);
+}
+
+/// The replicas' parameters or buffers, checked to be alike before anything is copied: every
+/// replica lists the same names in the same order (tower_error for a null replica or another
+/// count, variable_mismatch_error), each tensor defined on every replica or on none, a dense CPU
+/// tensor (unsupported_tensor_error; shape_error for gaps or overlaps) of one dtype
+/// (element_type_error) and one memory-order shape (shape_error) on every replica. Messages name
+/// the tensor (#i 'name') and the replica.
+inline std::vector<::torch::OrderedDict<std::string, at::Tensor>> alike_states(
+    std::span<::torch::nn::Module* const> replicas, state_kind kind) {
+  const char* what = kind == state_kind::parameters ? "parameter" : "buffer";
+  for (std::size_t k = 0; k < replicas.size(); ++k)
+    if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+  std::vector<::torch::OrderedDict<std::string, at::Tensor>> states;
+  states.reserve(replicas.size());
+  for (auto* m : replicas) states.push_back(state_of(*m, kind));
+  for (std::size_t k = 0; k < states.size(); ++k) {
+    if (states[k].size() != states[0].size())
+      throw tower_error("gradavg: replica " + std::to_string(k) + " holds " + std::to_string(states[k].size()) + " " +
+                        what + "s but replica 0 holds " + std::to_string(states[0].size()));
+    for (std::size_t i = 0; i < states[k].size(); ++i) {
+      const auto& item = states[k][i];
+      const auto& first = states[0][i];
+      const std::string here = std::string(what) + " #" + std::to_string(i) + " '" + first.key() + "'";
+      if (item.key() != first.key())
+        throw variable_mismatch_error(here + ": replica " + std::to_string(k) + " has '" + item.key() +
+                                          "' at this position; every replica must be of one model",
+                                      i);
+      const at::Tensor& t = item.value();
+      if (t.defined() != first.value().defined())
+        throw variable_mismatch_error(here + ": defined on replica " + std::to_string(t.defined() ? k : 0) +
+                                          " but not on replica " + std::to_string(t.defined() ? 0 : k),
+                                      i);
+      if (!t.defined()) continue;
+      try {
+        torch_detail::check_readable(t);
+      } catch (const error& e) {
+        throw unsupported_tensor_error(here + " on replica " + std::to_string(k) + ": " + e.what(), i);
+      }
+      if (!t.is_non_overlapping_and_dense())
+        throw shape_error(here + " on replica " + std::to_string(k) + " is not contiguous (strided)", i);
+      if (t.scalar_type() != first.value().scalar_type())
+        throw element_type_error(here + ": " + c10::toString(t.scalar_type()) + " on replica " + std::to_string(k) +
+                                     " but " + c10::toString(first.value().scalar_type()) + " on replica 0",
+                                 i);
+      const shape sk = torch_detail::memory_order_shape(t), s0 = torch_detail::memory_order_shape(first.value());
+      if (!(sk == s0) || t.sizes() != first.value().sizes())
+        throw shape_error(here + ": replica " + std::to_string(k) + " has sizes " + c10::str(t.sizes()) +
+                              " (memory order " + gradavg::detail::describe_shape(sk) + ") but replica 0 has " +
+                              c10::str(first.value().sizes()) + " (memory order " +
+                              gradavg::detail::describe_shape(s0) + ")",
+                          i);
+    }
+  }
+  return states;
+}
+
+/// Copies every tensor of states[0] into the same tensor of states[1..K-1], byte for byte (alike:
+/// the same bytes in the same order), through copy_to_replicas on opts' executor.
+inline void copy_state_to_other_replicas(const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& states,
+                                         const options& opts = {}) {
+  if (states.size() < 2) return;
+  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> to(states.size());
+  for (std::size_t k = 0; k < states.size(); ++k) {
+    to[k].reserve(states[k].size());
+    for (const auto& item : states[k]) to[k].emplace_back(item.value(), std::string_view(item.key()));
+  }
+  std::vector<at::Tensor> from;
+  from.reserve(states[0].size());
+  for (const auto& item : states[0]) from.push_back(item.value());
+  copy_to_replicas(to, from, 1, states.size(), opts);
+}
+
+/// Module* of each element of a range of replicas (Module*, std::shared_ptr<M>, ModuleHolder).
+template <class R>
+std::vector<::torch::nn::Module*> modules_of(const R& replicas) {
+  std::vector<::torch::nn::Module*> modules;
+  for (const auto& m : replicas) modules.push_back(module_of(m));
+  return modules;
+}
+
+
+}  // namespace libtorch::detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
