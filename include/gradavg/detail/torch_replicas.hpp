@@ -151,90 +151,93 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
   return groups;
 }
 
-/// The replicas' parameters as towers of (gradient, name) entries, averaged by
-/// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients (squares:
-/// null, or new tensors for options.include_square, module_report::squares), then copied to
-/// the other replicas on opts' executor (none with mean_target::first_replica); parameters of several dtypes (the same on every process:
-/// agree leaves presence unknown otherwise) in one call per dtype, into outputs of their own,
-/// copied into every replica once every call has succeeded (an error in any call leaves every
-/// replica as it was). prior: what gathering the entries threw (a null replica, an
-/// allocation), for the averaging call to rethrow, after agreeing on it with the other processes
-/// where there are any. agree(presence&, mopts): makes the replicas' presence that of every
-/// replica of every process (a no-op in one process), or unknown where the processes' parameter
-/// counts or dtypes differ; called on every call, known or not. done: null, or the parameters
-/// (bits as presence's) averaged already (data_parallel's buckets), read as absent on every replica
-/// and left out of module_report::skipped. known: null, or the replicas' named_parameters() kept
-/// from an earlier call (data_parallel's, whose replicas do not change), read instead of asking
-/// every replica again.
-template <class Agree, class Average>
-module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
-                               const module_options& mopts, Agree&& agree, Average&& average,
-                               const std::vector<std::uint64_t>* done = nullptr,
-                               const std::vector<::torch::OrderedDict<std::string, at::Tensor>>* known = nullptr) {
-  const auto averaged_already = [done](std::size_t i) { return done != nullptr && presence::has(*done, i); };
-  const std::size_t k_count = replicas.size();
-  // named_parameters() holds the names; the entries view them.
-  std::vector<::torch::OrderedDict<std::string, at::Tensor>> asked;
-  const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params = known != nullptr ? *known : asked;
-  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg;
-  std::vector<at::Tensor> means;
-  presence seen;
-  std::exception_ptr prior;
-  try {
-    for (std::size_t k = 0; k < k_count; ++k)
-      if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
-    if (known == nullptr) {
-      asked.reserve(k_count);
-      for (auto* m : replicas) asked.push_back(m->named_parameters(/*recurse=*/true));
-    }
-    tg.resize(k_count);
-    for (std::size_t k = 0; k < k_count; ++k) {
-      tg[k].reserve(params[k].size());
-      for (std::size_t i = 0; i < params[k].size(); ++i) {
-        const auto& item = params[k][i];
-        const at::Tensor& p = item.value();
-        const bool take = p.requires_grad() && !averaged_already(i);
-        tg[k].emplace_back(take ? p.grad() : at::Tensor(), std::string_view(item.key()));
-      }
-    }
-    // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
-    if (k_count > 0) {
-      means.reserve(tg[0].size());
-      for (const auto& e : tg[0]) means.push_back(e.first);
-    }
-    if (k_count > 0 && std::all_of(tg.begin(), tg.end(), [&](const auto& t) { return t.size() == tg[0].size(); })) {
-      seen.parameters = tg[0].size();
-      seen.present.assign((seen.parameters + 63) / 64, 0);
-      seen.absent.assign(seen.present.size(), 0);
-      for (const auto& tower : tg)
-        for (std::size_t i = 0; i < seen.parameters; ++i)
-          presence::set(tower[i].first.defined() ? seen.present : seen.absent, i);
-      seen.dtypes = 1469598103934665603ull;
-      for (const auto& item : params[0])
-        seen.dtypes = (seen.dtypes ^ static_cast<std::uint64_t>(item.value().scalar_type())) * 1099511628211ull;
-      seen.known = true;
-    }
-  } catch (...) {
-    prior = std::current_exception();
-    tg.clear();
-    means.clear();
-    seen = presence{};
-  }
-  agree(seen, mopts);
-  // absent_as_zeros: a zero gradient for every replica that lacks one, attached after success.
+using named_tensors = ::torch::OrderedDict<std::string, at::Tensor>;
+using replica_towers = std::vector<std::vector<std::pair<at::Tensor, std::string_view>>>;
+
+/// One module-helper call's state, step by step (average_replicas): the replicas' parameters as
+/// towers of (gradient, name) entries, viewing the names named_parameters() holds; the means
+/// (replica 0's gradients, averaged in place); the presence; and `prior`, what a step before the
+/// averaging threw, for the averaging call to rethrow (after agreeing on it with the other
+/// processes, where there are any). A step that throws sets prior and leaves nothing half made.
+struct replica_call {
   struct fill {
     std::size_t replica, parameter;
   };
-  std::vector<fill> fills;
+  std::size_t k_count = 0;
+  std::vector<named_tensors> asked;  // named_parameters() of each replica, unless known
+  const std::vector<named_tensors>* params = &asked;
+  replica_towers tg;
+  std::vector<at::Tensor> means;
+  presence seen;
+  std::exception_ptr prior;
+  std::vector<fill> fills;  // absent_as_zeros' new gradients, attached once the call succeeded
   module_report result;
-  if (mopts.absent_as_zeros && seen.known && !prior) {
+
+  const std::vector<named_tensors>& parameters() const noexcept { return *params; }
+
+  /// Reads every replica's gradients: a parameter that requires no gradient, or that `done` marks
+  /// (bits as presence's), reads as absent. known: the replicas' named_parameters(), or null.
+  void read(std::span<::torch::nn::Module* const> replicas, const std::vector<std::uint64_t>* done,
+            const std::vector<named_tensors>* known) noexcept {
+    k_count = replicas.size();
+    if (known != nullptr) params = known;
+    try {
+      for (std::size_t k = 0; k < k_count; ++k)
+        if (replicas[k] == nullptr) throw tower_error("gradavg: replica " + std::to_string(k) + " is null");
+      if (known == nullptr) {
+        asked.reserve(k_count);
+        for (auto* m : replicas) asked.push_back(m->named_parameters(/*recurse=*/true));
+      }
+      tg.resize(k_count);
+      for (std::size_t k = 0; k < k_count; ++k) {
+        tg[k].reserve(parameters()[k].size());
+        for (std::size_t i = 0; i < parameters()[k].size(); ++i) {
+          const auto& item = parameters()[k][i];
+          const at::Tensor& p = item.value();
+          const bool take = p.requires_grad() && !(done != nullptr && presence::has(*done, i));
+          tg[k].emplace_back(take ? p.grad() : at::Tensor(), std::string_view(item.key()));
+        }
+      }
+      // In place: each mean is replica 0's gradient (undefined where the parameter is skipped).
+      if (k_count > 0) {
+        means.reserve(tg[0].size());
+        for (const auto& e : tg[0]) means.push_back(e.first);
+      }
+      if (k_count > 0 && std::all_of(tg.begin(), tg.end(), [&](const auto& t) { return t.size() == tg[0].size(); }))
+        note_presence();
+    } catch (...) {
+      prior = std::current_exception();
+      tg.clear();
+      means.clear();
+      seen = presence{};
+    }
+  }
+
+  /// seen from tg (every replica lists as many parameters), with the fingerprint of the dtypes.
+  void note_presence() {
+    seen.parameters = tg[0].size();
+    seen.present.assign((seen.parameters + 63) / 64, 0);
+    seen.absent.assign(seen.present.size(), 0);
+    for (const auto& tower : tg)
+      for (std::size_t i = 0; i < seen.parameters; ++i)
+        presence::set(tower[i].first.defined() ? seen.present : seen.absent, i);
+    seen.dtypes = 1469598103934665603ull;
+    for (const auto& item : parameters()[0])
+      seen.dtypes = (seen.dtypes ^ static_cast<std::uint64_t>(item.value().scalar_type())) * 1099511628211ull;
+    seen.known = true;
+  }
+
+  /// absent_as_zeros: a zero gradient, laid out as its parameter, for every replica that lacks one
+  /// of a parameter present on some replica; listed in result.zero_filled.
+  void zero_fill() noexcept {
+    if (!seen.known || prior) return;
     try {
       for (std::size_t i = 0; i < seen.parameters; ++i) {
         if (!presence::has(seen.present, i) || !presence::has(seen.absent, i)) continue;
         result.zero_filled.emplace_back(tg[0][i].second);
         for (std::size_t k = 0; k < k_count; ++k) {
           if (tg[k][i].first.defined()) continue;
-          tg[k][i].first = at::zeros_like(params[k][i].value());
+          tg[k][i].first = at::zeros_like(parameters()[k][i].value());
           if (k == 0) means[i] = tg[0][i].first;
           fills.push_back({k, i});
         }
@@ -247,8 +250,10 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
       result.zero_filled.clear();
     }
   }
-  // options.include_square: new tensors laid out as the means (the same memory-order shapes).
-  if (opts.include_square && !prior) {
+
+  /// options.include_square: new tensors laid out as the means (the same memory-order shapes).
+  void make_squares() noexcept {
+    if (prior) return;
     try {
       result.squares.resize(means.size());
       for (std::size_t i = 0; i < means.size(); ++i)
@@ -258,13 +263,14 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
       result.squares.clear();
     }
   }
-  std::vector<at::Tensor>* squares = opts.include_square ? &result.squares : nullptr;
-  // Parameters of several dtypes: one call per dtype (in order of first appearance), each into
-  // outputs of its own, copied into every replica once every call has succeeded.
-  std::vector<std::vector<std::size_t>> groups;
-  if (seen.known && !prior && k_count > 0) {
+
+  /// The parameters' indices by dtype (dtype_groups), checked against the options that need one
+  /// call over everything; empty when the towers are not known.
+  std::vector<std::vector<std::size_t>> groups_by_dtype(const options& opts) noexcept {
+    std::vector<std::vector<std::size_t>> groups;
+    if (!seen.known || prior || k_count == 0) return groups;
     try {
-      groups = dtype_groups(params[0]);
+      groups = dtype_groups(parameters()[0]);
       if (groups.size() > 1) {
         if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
           throw option_error("gradavg::libtorch: options.range with parameters of several dtypes (each dtype is "
@@ -278,14 +284,19 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
       prior = std::current_exception();
       groups.clear();
     }
+    return groups;
   }
-  if (groups.size() <= 1) {
-    result.report = average(tg, means, squares, prior, opts.per_variable);
-  } else {
+
+  /// Parameters of several dtypes: one average() call per dtype (in order of first appearance),
+  /// each into outputs of its own, which become the means (copied into every replica afterwards);
+  /// the report sums the calls' counts and statistics.
+  template <class Average>
+  void average_by_dtype(const std::vector<std::vector<std::size_t>>& groups, const options& opts,
+                        std::vector<at::Tensor>* squares, Average& average) {
     std::vector<at::Tensor> outputs(means.size());
     for (std::size_t i = 0; i < means.size(); ++i)
       if (means[i].defined()) outputs[i] = at::empty_like(means[i]);
-    std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> group_tg(k_count);
+    replica_towers group_tg(k_count);
     std::vector<at::Tensor> group_outputs, group_squares;
     std::vector<variable_statistics> group_statistics;
     for (std::size_t g = 0; g < groups.size(); ++g) {
@@ -316,16 +327,58 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
     }
     means = std::move(outputs);
   }
-  const std::size_t receivers = mopts.means_to == mean_target::first_replica ? 1 : k_count;
-  for (const auto& f : fills)
-    if (f.replica < receivers) params[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
-  for (std::size_t i = 0; i < means.size(); ++i)
-    if (!means[i].defined() && !averaged_already(i)) result.skipped.emplace_back(tg[0][i].second);
-  copy_to_replicas(tg, means, groups.size() > 1 ? 0 : 1, receivers, opts);
-  return result;
+
+  /// After the averaging succeeded: attaches the zero-filled gradients (of replica 0 only with
+  /// mean_target::first_replica), lists the skipped parameters (not those `done` marks) and copies
+  /// the means into the receiving replicas (from replica 0 on when the means are outputs of their
+  /// own: by_dtype).
+  void deliver(const options& opts, const module_options& mopts, const std::vector<std::uint64_t>* done,
+               bool by_dtype) {
+    const std::size_t receivers = mopts.means_to == mean_target::first_replica ? 1 : k_count;
+    for (const auto& f : fills)
+      if (f.replica < receivers)
+        parameters()[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
+    for (std::size_t i = 0; i < means.size(); ++i)
+      if (!means[i].defined() && !(done != nullptr && presence::has(*done, i)))
+        result.skipped.emplace_back(tg[0][i].second);
+    copy_to_replicas(tg, means, by_dtype ? 0 : 1, receivers, opts);
+  }
+};
+
+/// The replicas' parameters as towers of (gradient, name) entries, averaged by
+/// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients
+/// (squares: null, or new tensors for options.include_square, module_report::squares), then copied
+/// to the other replicas on opts' executor (none with mean_target::first_replica); parameters of
+/// several dtypes (the same on every process: agree leaves presence unknown otherwise) in one call
+/// per dtype, into outputs of their own, copied into every replica once every call has succeeded
+/// (an error in any call leaves every replica as it was). prior: what a step before the averaging
+/// threw (a null replica, an allocation), for the averaging call to rethrow, after agreeing on it
+/// with the other processes where there are any. agree(presence&, mopts): makes the replicas'
+/// presence that of every replica of every process (a no-op in one process), or unknown where the
+/// processes' parameter counts or dtypes differ; called on every call, known or not. done: null,
+/// or the parameters (bits as presence's) averaged already (data_parallel's buckets), read as
+/// absent on every replica and left out of module_report::skipped. known: null, or the replicas'
+/// named_parameters() kept from an earlier call (data_parallel's, whose replicas do not change),
+/// read instead of asking every replica again.
+template <class Agree, class Average>
+module_report average_replicas(std::span<::torch::nn::Module* const> replicas, const options& opts,
+                               const module_options& mopts, Agree&& agree, Average&& average,
+                               const std::vector<std::uint64_t>* done = nullptr,
+                               const std::vector<named_tensors>* known = nullptr) {
+  replica_call call;
+  call.read(replicas, done, known);
+  agree(call.seen, mopts);
+  if (mopts.absent_as_zeros) call.zero_fill();
+  if (opts.include_square) call.make_squares();
+  std::vector<at::Tensor>* squares = opts.include_square ? &call.result.squares : nullptr;
+  const auto groups = call.groups_by_dtype(opts);
+  if (groups.size() <= 1)
+    call.result.report = average(call.tg, call.means, squares, call.prior, opts.per_variable);
+  else
+    call.average_by_dtype(groups, opts, squares, average);
+  call.deliver(opts, mopts, done, groups.size() > 1);
+  return std::move(call.result);
 }
-
-
 
 /// Which of a module's tensors a broadcast copies.
 enum class state_kind : std::uint8_t { parameters, buffers };
