@@ -319,7 +319,7 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
     for (const variant& v : variants) {
       if (!error.empty()) break;
       gradavg::options o;
-      o.streaming_stores = v.streaming;
+      o.stores = v.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
       if (v.weighted) o.weights = weights;
       if (v.scaled) o.scale = loss_unscale;
       if (v.report) o.on_nonfinite = gradavg::nonfinite_policy::report;
@@ -380,7 +380,7 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
     S* sq = cmp.hold<aligned_buffer<S>>(elements).data();
     float* mean_f32 = cmp.hold<aligned_buffer<float>>(elements).data();
     gradavg::options nt;
-    nt.streaming_stores = true;
+    nt.stores = gradavg::store_policy::streaming;
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean", tw, elements, threads, mean, nullptr, {}, (t + 1) * n * 2);
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean_nt", tw, elements, threads, mean, nullptr, nt, (t + 1) * n * 2);
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean_sq", tw, elements, threads, mean, sq, {}, (t + 2) * n * 2);

@@ -130,8 +130,8 @@ enum class module_way : std::int64_t { averaging_alone, every_replica, first_rep
 /// K = 4 replicas of Wide with random gradients, threads = 2: the averaging alone
 /// (average_gradients_into in place into replica 0's gradient), and average_module_gradients with
 /// the means copied into every replica (mean_target::every_replica) or left in replica 0's
-/// (mean_target::first_replica); every_replica_streaming: every_replica with options.streaming_stores.
-/// Bytes credited: the least each must move, (K + 1) x 64 MiB, plus K x 64 MiB (the mean read once,
+/// (mean_target::first_replica), both with store_policy::regular; every_replica_streaming:
+/// every_replica with store_policy::streaming. Bytes credited: the least each must move, (K + 1) x 64 MiB, plus K x 64 MiB (the mean read once,
 /// written into K - 1 replicas) when every replica receives the means.
 void module_call(benchmark::State& state) {
   const auto w = static_cast<module_way>(state.range(0));
@@ -144,7 +144,9 @@ void module_call(benchmark::State& state) {
       replicas.back()->w.mutable_grad() = torch::rand({4096, 4096}) * 2 - 1;
     }
   }
-  const gradavg::options opts{.threads = 2, .streaming_stores = w == module_way::every_replica_streaming};
+  const gradavg::options opts{.threads = 2,
+                              .stores = w == module_way::every_replica_streaming ? gradavg::store_policy::streaming
+                                                                                 : gradavg::store_policy::regular};
   std::vector<std::vector<std::pair<at::Tensor, std::string>>> tg(k_count);
   for (std::size_t k = 0; k < k_count; ++k) tg[k].emplace_back(replicas[k]->w.grad(), "w");
   std::vector<at::Tensor> means{replicas[0]->w.grad()};

@@ -3,7 +3,7 @@
 //
 // Options: the defaults, but for threads — options{.threads = n, .pool = &pool} with a
 // gradavg::thread_pool(n) owned by the runner, so no thread is started in the timed loop — and,
-// for gradavg_nt, streaming_stores = true (outputs written with non-temporal stores).
+// for gradavg_nt, stores = store_policy::streaming (outputs written with non-temporal stores).
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -20,7 +20,9 @@ namespace {
 struct gradavg_setup {
   gradavg_setup(int threads, bool streaming)
       : pool(checked(threads)),
-        opts{.threads = static_cast<std::size_t>(threads), .streaming_stores = streaming, .pool = &pool} {}
+        opts{.threads = static_cast<std::size_t>(threads),
+             .stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular,
+             .pool = &pool} {}
 
   static std::size_t checked(int threads) {
     if (threads < 1) throw std::runtime_error("gradavg: threads must be >= 1");

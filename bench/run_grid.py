@@ -9,7 +9,7 @@ Usage:
   bench/run_grid.py --from-json BUILD/bench/bench_grid.json [--models-json ...] [--paired-json ...]  # no rerun
 
 The table has one row per (op, type, T, P, threads): the bandwidth of gradavg (default options)
-and gradavg_nt (streaming_stores), the faster of the two ("gradavg-best", named), each peer's
+(ordinary stores) and gradavg_nt (streaming stores), the faster of the two ("gradavg-best", named), each peer's
 time divided by gradavg-best's (above 1: gradavg is faster), gradavg-best's bandwidth as a
 fraction of the ordinary-store copy and of the best of copy / copy_nt / memcpy at the same P and
 thread count, and for mean_sq the time of gradavg-best's mean_sq over its mean. A summary checks
@@ -27,7 +27,7 @@ import pathlib
 import subprocess
 import sys
 
-GRADAVG = ["gradavg", "gradavg_nt"]  # default options; streaming_stores = true
+GRADAVG = ["gradavg", "gradavg_nt"]  # store_policy::regular; store_policy::streaming
 PEERS = ["eigen_per_tower", "stacked_tensor", "onednn_sum"]
 IMPLS = GRADAVG + PEERS
 COPIES = ["copy", "copy_nt", "memcpy"]  # the copy limits; the best of them is "best copy"
@@ -415,8 +415,8 @@ def write_table(path, ctx, recs, model_recs, args, paired=()):
         "Bytes are credited STREAM-style: mean (T+1)·P·sizeof, mean + squares (T+2)·P·sizeof, "
         "copy 2·P·sizeof, read-only sum P·sizeof (see bench/README.md). GB/s = 1e9 bytes/s.",
         "",
-        "- `gradavg`: default options (but for threads and the pool); `gradavg_nt`: "
-        "`options.streaming_stores = true`. **best** names the faster of the two at that row: "
+        "- `gradavg`: default options (but for threads, the pool and `options.stores = "
+        "store_policy::regular`); `gradavg_nt`: `store_policy::streaming`. **best** names the faster of the two at that row: "
         "`gradavg-best`.",
         "- `vs <peer>`: peer time / gradavg-best time at the same op, type, T, P and threads "
         "(above 1: gradavg is faster).",

@@ -266,7 +266,7 @@ void require_same_for_every_thread_count(const fused_towers<S>& w, gradavg::opti
     require_same_bits(serial, run_into<O>(w, opts));
   }
   opts.pool = nullptr;
-  opts.streaming_stores = true;
+  opts.stores = gradavg::store_policy::streaming;
   for (std::size_t threads : {1, 3}) {
     INFO("streaming stores, threads = " << threads);
     opts.threads = threads;

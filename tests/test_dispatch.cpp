@@ -220,7 +220,7 @@ void check_element_type() {
     const auto data = make_towers<S>(towers, long_sizes, false, 99);
     gradavg::options opts{.threads = 3, .statistics = true};
     check_levels<S, O>(data, opts, true);
-    opts.streaming_stores = true;
+    opts.stores = gradavg::store_policy::streaming;
     check_levels<S, O>(data, opts, true);
     opts.threads = 1;
     opts.statistics = false;

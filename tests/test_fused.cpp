@@ -797,7 +797,7 @@ TEST_CASE("outputs and statistics do not depend on the outputs' alignment, with 
         INFO("T = " << towers << ", streaming " << streaming << ", outputs " << offset << " floats past 64 bytes");
         gradavg_test::buffer<float> mean(1000, offset, -1.0f), square(1000, offset, -1.0f);
         std::vector<std::span<float>> means{std::span(mean.data(), 1000)}, squares{std::span(square.data(), 1000)};
-        opts.streaming_stores = streaming;
+        opts.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
         const auto s = gradavg::average_gradients_into(w.tg, means, squares, opts);
         CHECK(std::memcmp(mean.data(), first.means[0].data(), 1000 * sizeof(float)) == 0);
         CHECK(std::memcmp(square.data(), first.squares[0].data(), 1000 * sizeof(float)) == 0);

@@ -319,7 +319,7 @@ TEST_CASE("bfloat16 means in float's subnormal range round to nearest even, not 
         }
       }
       gradavg::options opts;
-      opts.streaming_stores = streaming;
+      opts.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
       const auto to_bf16 = run_into<bf16>(w, opts, false);
       const auto to_float = run_into<float>(w, opts, false);
       std::size_t wrong = 0, subnormal_results = 0;
@@ -442,7 +442,7 @@ void check_streaming(const gradavg::options& base) {
         std::vector<std::span<O>> m{std::span<O>(want_mean)}, q{std::span<O>(want_square)};
         gradavg::average_gradients_into(tg, m, q, opts);
       }
-      opts.streaming_stores = true;
+      opts.stores = gradavg::store_policy::streaming;
       constexpr std::size_t line = 64 / sizeof(O);
       for (std::size_t offset = 0; offset < line; ++offset) {
         INFO("T = " << towers << ", statistics " << statistics << ", output offset " << offset);
@@ -510,7 +510,8 @@ void check_nan_bits(std::size_t towers) {
   for (const bool streaming : {false, true})
     for (const std::size_t threads : {std::size_t{1}, std::size_t{2}}) {
       INFO("streaming " << streaming << ", threads " << threads);
-      const auto r = run_into<O>(w, {.threads = threads, .streaming_stores = streaming});
+      const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      const auto r = run_into<O>(w, {.threads = threads, .stores = stores});
       for (std::size_t i = 0; i < w.variables(); ++i)
         for (std::size_t j = 0; j < w.sizes[i]; ++j) {
           INFO("variable " << i << ", element " << j);

@@ -51,7 +51,8 @@ TEMPLATE_TEST_CASE("every kernel path gives the same bits, within tolerance of t
       std::vector<S> mean_storage(n + 4, S(-1)), square_storage(n + 4, S(-1));
       std::vector<std::span<S>> m{std::span<S>(mean_storage.data() + offset, n)};
       std::vector<std::span<S>> q{std::span<S>(square_storage.data() + (offset + 1) % 4, n)};
-      gradavg::average_gradients_into(tg, m, q, {.streaming_stores = streaming});
+      const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      gradavg::average_gradients_into(tg, m, q, {.stores = stores});
       CHECK(gradavg_test::same_bits(m[0].data(), base_mean.data(), n));
       CHECK(gradavg_test::same_bits(q[0].data(), base_square.data(), n));
       CHECK(mean_storage[offset + n] == S(-1));  // nothing written past the end
@@ -119,7 +120,8 @@ TEMPLATE_TEST_CASE("a NaN result is the default quiet NaN on every path, thread 
       INFO("threads " << threads << ", streaming " << streaming);
       std::vector<S> mean(n), square(n);
       std::vector<std::span<S>> m{std::span<S>(mean)}, q{std::span<S>(square)};
-      gradavg::average_gradients_into(tg, m, q, {.threads = threads, .streaming_stores = streaming, .pool = &pool});
+      const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      gradavg::average_gradients_into(tg, m, q, {.threads = threads, .stores = stores, .pool = &pool});
       std::size_t nan_means = 0, nan_squares = 0, wrong = 0;
       for (std::size_t j = 0; j < n; ++j) {
         // Squares of +inf and -inf add up to +inf: only the means are NaN there.
@@ -186,7 +188,7 @@ TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and
     data.push_back(gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(900 + k)));
     tg[k].push_back({std::span<const S>(data[k]), 0});
   }
-  gradavg::options opts{.streaming_stores = streaming};
+  gradavg::options opts{.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular};
   if (fused) {
     opts.statistics = true;
     opts.on_nonfinite = gradavg::nonfinite_policy::report;
@@ -354,4 +356,28 @@ TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for b
       CHECK(gradavg_test::same_bits(mean[0].data(), want.data(), n));
     }
   }
+}
+
+TEST_CASE("store_policy::automatic streams from streaming_threshold_bytes on, with the same bits") {
+  gradavg::options opts;
+  CHECK(opts.stores == gradavg::store_policy::automatic);
+  CHECK(!gradavg::detail::streams(opts, gradavg::streaming_threshold_bytes - 1));
+  CHECK(gradavg::detail::streams(opts, gradavg::streaming_threshold_bytes));
+  opts.stores = gradavg::store_policy::regular;
+  CHECK(!gradavg::detail::streams(opts, std::size_t{1} << 40));
+  opts.stores = gradavg::store_policy::streaming;
+  CHECK(gradavg::detail::streams(opts, 1));
+
+  // Two towers and a mean of 16 Mi floats move 192 MiB: automatic streams, below it regular.
+  const std::size_t n = std::size_t{16} << 20;
+  const std::vector<float> a = gradavg_test::random_values<float>(n, 3), b = gradavg_test::random_values<float>(n, 4);
+  const std::vector<std::vector<std::pair<std::span<const float>, int>>> tg{{{std::span<const float>(a), 0}},
+                                                                            {{std::span<const float>(b), 0}}};
+  REQUIRE(3 * n * sizeof(float) >= gradavg::streaming_threshold_bytes);
+  std::vector<float> automatic(n), regular(n);
+  std::vector<std::span<float>> m_automatic{std::span<float>(automatic)}, m_regular{std::span<float>(regular)};
+  gradavg::average_gradients_into(tg, m_automatic, {.threads = 2});
+  gradavg::average_gradients_into(tg, m_regular, {.threads = 2, .stores = gradavg::store_policy::regular});
+  CHECK(gradavg_test::same_bits(automatic.data(), regular.data(), n));
+  for (const std::size_t i : {std::size_t{0}, n / 3, n - 1}) CHECK(automatic[i] == (a[i] + b[i]) / 2);
 }

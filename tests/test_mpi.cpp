@@ -308,7 +308,7 @@ TEST_CASE("threads inside each rank (options.threads = 2) give the same bits and
   require_reference(w, two, false, 2);  // variable 2 holds the NaN
 }
 
-TEMPLATE_TEST_CASE("options.streaming_stores: the same bits as ordinary stores, NaNs included", "", float, double) {
+TEMPLATE_TEST_CASE("store_policy::streaming: the same bits as ordinary stores, NaNs included", "", float, double) {
   // Sizes around packet widths and buckets that start mid-variable: unaligned heads, packets and
   // tails of the unpacking loop. A NaN and an infinity in the packet part of variable 2.
   world<TestType> w({1, 15, 1000, 33, 4097}, {false, false, false, true, false}, layout(true), 21);
@@ -322,7 +322,7 @@ TEMPLATE_TEST_CASE("options.streaming_stores: the same bits as ordinary stores, 
     auto plain = w.template outputs<TestType>();
     auto plain_sq = w.template outputs<TestType>();
     gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, plain, plain_sq, opts);
-    opts.streaming_stores = true;
+    opts.stores = gradavg::store_policy::streaming;
     auto streamed = w.template outputs<TestType>();
     auto streamed_sq = w.template outputs<TestType>();
     gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, streamed, streamed_sq, opts);

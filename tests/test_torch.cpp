@@ -576,7 +576,7 @@ TEST_CASE("module replicas: the copies into replicas 1..K-1 run on the options' 
       opts.pool = &pool;
     else
       opts.threads = h == "threads 1" ? 1 : 2;
-    opts.streaming_stores = h.starts_with("streaming");
+    opts.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
     CHECK(gradavg::libtorch::average_module_gradients(replicas, opts).report.averaged == 2);
     for (std::size_t i = 0; i < 2; ++i) {
       INFO("parameter " << i);
@@ -820,7 +820,7 @@ TEST_CASE("broadcast_parameters, broadcast_buffers on the options' executor: rep
       opts.pool = &counter;
     else
       opts.threads = 2;
-    opts.streaming_stores = h.starts_with("streaming");
+    opts.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
     gradavg::libtorch::broadcast_parameters(replicas, opts);
     gradavg::libtorch::broadcast_buffers(replicas, opts);  // Wide has none: nothing to do
     for (std::size_t k = 0; k < 3; ++k)

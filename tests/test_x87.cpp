@@ -121,7 +121,7 @@ std::vector<option_set> option_sets(gradavg::layout_cache& cache) {
   sets[2].name = "non-finite zeroed, double accumulation, streaming stores";
   sets[2].opts.on_nonfinite = gradavg::nonfinite_policy::zero;
   sets[2].opts.accumulate = gradavg::accumulation::double_precision;
-  sets[2].opts.streaming_stores = true;
+  sets[2].opts.stores = gradavg::store_policy::streaming;
   sets[3].name = "a layout_cache";
   sets[3].opts.layout = &cache;
   sets[4].name = "overlaps checked within each variable";

@@ -17,6 +17,24 @@ class layout_cache;
 /// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
 
+/// How a call stores its outputs (means, squares; across processes also the unpacked buckets).
+/// The results are identical whichever is chosen.
+enum class store_policy : std::uint8_t {
+  /// streaming when the call moves at least streaming_threshold_bytes (its outputs then outgrow
+  /// the caches before anyone reads them), regular below.
+  automatic,
+  /// Ordinary stores: the outputs stay in the caches for the code that reads them next.
+  regular,
+  /// Non-temporal (streaming) stores where the target has them (x86-64; ordinary stores
+  /// elsewhere): they bypass the caches and skip reading each output line before writing it.
+  streaming,
+};
+
+/// The bytes store_policy::automatic switches to streaming stores at: what one call reads and
+/// writes (every gradient once, every output once). Larger than the last-level cache of the CPUs
+/// measured, so that the outputs of an automatic call that stores normally can still be in cache.
+inline constexpr std::size_t streaming_threshold_bytes = std::size_t{128} << 20;
+
 /// How thoroughly average_gradients_into checks outputs for overlap with inputs and each other.
 enum class alias_check : std::uint8_t {
   /// Partial: each variable's outputs against that variable's own gradients and other output
@@ -77,10 +95,9 @@ struct options {
   /// See executor.hpp.
   std::size_t threads = default_threads;
 
-  /// Write outputs with non-temporal (streaming) stores where the target has them: they bypass
-  /// the caches, which pays when the outputs are larger than the last-level cache and are not
-  /// read again at once. Results are identical either way.
-  bool streaming_stores = false;
+  /// How outputs are stored (store_policy): by default streaming for calls that move at least
+  /// streaming_threshold_bytes, ordinary stores below. Results are identical either way.
+  store_policy stores = store_policy::automatic;
 
   /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
   executor* pool = nullptr;

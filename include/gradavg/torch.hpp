@@ -48,8 +48,8 @@ namespace libtorch {
 /// scale, non-finite policy, range); options.include_square also returns the means of squared
 /// gradients (module_report::squares); options.per_variable, when given, has one entry per
 /// parameter, skipped ones included. The copies into replicas 1..K-1 run on the same executor as
-/// the averaging (options.threads, options.pool), split by bytes, with non-temporal stores under
-/// options.streaming_stores; an exception from it reaches the caller with replica 0 holding the
+/// the averaging (options.threads, options.pool), split by bytes, with non-temporal stores as
+/// options.stores says; an exception from it reaches the caller with replica 0 holding the
 /// means and the other replicas partly written. A null replica is a tower_error.
 inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
                                               const options& opts = {}, const module_options& mopts = {}) {
@@ -94,7 +94,7 @@ concept replica_range = std::ranges::random_access_range<R> &&
 /// same buffers, of one dtype and memory-order shape each (detail::alike_states' errors), all
 /// checked before anything is written. Call it between steps (no thread using the replicas). The
 /// copies run on opts' executor (options.threads, options.pool), split by bytes, through
-/// non-temporal stores with options.streaming_stores; no other field of opts is read.
+/// non-temporal stores as options.stores says; no other field of opts is read.
 inline void broadcast_buffers(std::span<::torch::nn::Module* const> replicas, const options& opts = {}) {
   detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::buffers), opts);
 }

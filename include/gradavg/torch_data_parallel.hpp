@@ -67,7 +67,7 @@ struct bucket_options {
 /// processes the same bits on every rank. include_square, per_variable and range (results per
 /// element or per parameter over one pass of every parameter) and options.layout are option_error
 /// here: use average_module_gradients for them. weights, scale, accumulate, on_nonfinite (counted
-/// in the report), threads, pool and streaming_stores apply to every bucket.
+/// in the report), threads, pool and stores apply to every bucket.
 ///
 /// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
 /// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets

@@ -1163,7 +1163,7 @@ class runner {
     gradavg::options opts;
     opts.include_square = c_.include_square;
     opts.threads = c_.threads;
-    opts.streaming_stores = c_.streaming;
+    opts.stores = c_.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
     opts.pool = c_.use_pool ? &shared_pool() : nullptr;
     opts.accumulate = f.double_precision ? gradavg::accumulation::double_precision : gradavg::accumulation::native;
     opts.weights = f.weights;

@@ -424,6 +424,7 @@ struct call {
   std::size_t total = 0;            // elements of the variables present on every local tower
   std::size_t range_begin = 0, range_end = 0;
   std::size_t bucket_elements = 0, buckets = 0;
+  bool stream_outputs = false;  // options.stores decided for this rank's data (prepare())
   bucket_set set[3] = {};
 
   bool squares_in_buffer() const noexcept { return with_squares || opts.statistics; }
@@ -465,6 +466,9 @@ struct call {
     range_begin = std::min(opts.range.begin, total);
     range_end = std::min(opts.range.end, total);
     buckets = 0;
+    // The rank's reads of its towers and writes of its outputs decide the stores (options.stores).
+    stream_outputs = gradavg::detail::streams(
+        opts, (range_end - std::min(range_begin, range_end)) * (towers * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O)));
     if (range_begin >= range_end) return;
 
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
@@ -747,7 +751,7 @@ struct call {
       constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
       auto divide_into = [&](const Buf* from, O* to) {
         if constexpr (std::is_same_v<Buf, Acc> && std::is_same_v<O, Acc>) {
-          if (opts.streaming_stores) {
+          if (stream_outputs) {
             // The same quotients, stored around the caches.
             gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
             streamed = true;

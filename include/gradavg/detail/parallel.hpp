@@ -34,6 +34,13 @@ inline std::size_t requested_threads(const options& opts) noexcept {
   return opts.threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : 1;
 }
 
+/// Whether a call that reads and writes `bytes` in all stores its outputs non-temporally
+/// (options::stores).
+inline bool streams(const options& opts, std::size_t bytes) noexcept {
+  return opts.stores == store_policy::streaming ||
+         (opts.stores == store_policy::automatic && bytes >= streaming_threshold_bytes);
+}
+
 /// How many chunks a call over total elements, each moving bytes_per_element, splits into: at
 /// most the thread count that options ask for and max_chunks, and no chunk under min_chunk_bytes.
 inline std::size_t chunk_count(std::size_t total, std::size_t bytes_per_element, const options& opts) noexcept {

@@ -154,6 +154,7 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
   const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
   const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
   const bool prefetch = prefetch_pays(n, bytes_per_element);
+  const bool stream = streams(opts, n * bytes_per_element);
   segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
   struct variable_towers {
     const pass_source<S, O>* source;
@@ -208,11 +209,11 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
         if (!fused) {
           // Nothing to read back (loading the callee's fresh stores of an empty result stalled
           // every call of a small variable).
-          reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), opts.streaming_stores,
+          reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), stream,
                                prefetch, divisor, nullptr);
         } else {
           piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
-                                                    opts.streaming_stores, prefetch, divisor, fused_ptr);
+                                                    stream, prefetch, divisor, fused_ptr);
           const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
           const bool ends_here = offset + size <= seg_end || seg_end == range_end;
           if (!starts_here) {

@@ -87,13 +87,13 @@ inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, 
 /// memory-order shapes and dtype equal, so the bytes lie in the same order), on the executor opts
 /// name: the means' bytes, as one flat range, split into chunks as the averaging splits its
 /// elements, each chunk copying blocks small enough to stay in cache into every replica in turn
-/// (each mean is read from memory once), through non-temporal stores with options.streaming_stores.
+/// (each mean is read from memory once), through non-temporal stores as options.stores says
+/// (automatic: by the bytes the copies read and write).
 /// An exception from the executor propagates, the copies then partly done.
 template <class TG>
 void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::size_t first_replica,
                       std::size_t end_replica, const options& opts) {
   constexpr std::size_t block = std::size_t{64} << 10;
-  const bool stream = opts.streaming_stores;
   struct segment {
     const std::byte* from;
     std::size_t begin, end;   // its bytes' place in the flat range of all copied means
@@ -115,6 +115,10 @@ void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::s
     total += means[i].nbytes();
   }
   if (total == 0) return;
+  // Each mean is read once and written into every destination (options.stores).
+  const std::size_t stop_replica = std::min(end_replica, tg.size());
+  const bool stream =
+      gradavg::detail::streams(opts, total * (1 + stop_replica - std::min(first_replica, stop_replica)));
   // Each byte is read once and written once per destination replica.
   const std::size_t chunks = gradavg::detail::chunk_count(total, std::max<std::size_t>(1, tg.size()), opts);
   auto chunk = [&](std::size_t c) {
