@@ -37,7 +37,7 @@ namespace libtorch {
 /// false counts as having no gradient. A parameter without a gradient on every replica is skipped
 /// and listed in the report; without one on some replicas only, it is missing_gradient_error, or
 /// averaged with zeros in their place with module_options::absent_as_zeros (module_options). The
-/// gradients must be as torch::Tensor gradients (see the file comment): CPU, dense, of the same
+/// gradients must be as torch::Tensor gradients (torch_tensor.hpp): CPU, dense, of the same
 /// memory-order shapes (channels_last gradients are averaged as such), each of its parameter's
 /// dtype. Parameters of several dtypes (a bfloat16 body and a float head) are averaged one dtype
 /// per call, in order of first appearance, into outputs of their own that are copied into every
@@ -121,7 +121,6 @@ void broadcast_parameters(const R& replicas, const options& opts = {}) {
   const auto modules = detail::modules_of(replicas);
   broadcast_parameters(std::span<::torch::nn::Module* const>(modules), opts);
 }
-
 
 }  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE

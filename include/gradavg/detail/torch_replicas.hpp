@@ -32,7 +32,6 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace libtorch::detail {
 
-
 /// The module behind a Module*, a std::shared_ptr<Module> or a ModuleHolder (torch::nn::Linear).
 template <class M>
 ::torch::nn::Module* module_of(const M& m) {
@@ -470,7 +469,6 @@ std::vector<::torch::nn::Module*> modules_of(const R& replicas) {
   for (const auto& m : replicas) modules.push_back(module_of(m));
   return modules;
 }
-
 
 }  // namespace libtorch::detail
 GRADAVG_END_ISA_NAMESPACE
