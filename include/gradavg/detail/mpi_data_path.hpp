@@ -1,0 +1,533 @@
+// gradavg internals: the data path of one gradavg::mpi call — this rank's tables and fusion
+// buffers, then the buckets' fill, exchange and unpack (the file comment of <gradavg/mpi.hpp>
+// describes them). mpi_call.hpp's call runs it once every rank has agreed.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../average.hpp"
+#include "mpi_support.hpp"
+
+namespace gradavg {
+namespace mpi {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace mpi_detail {
+
+/// The data path of one call: TG the towers, Means/Squares the output ranges (Squares = nullptr_t:
+/// none), S and O the element types the gradients are read as and the outputs written as
+/// (value_types, or the run-time types this rank found), Buf the fusion buffer's element type.
+template <class TG, class Means, class Squares, class S, class O>
+struct data_path {
+  using Buf = gradavg::detail::accumulator_t<S>;
+  static constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+
+  MPI_Comm comm;
+  const TG& tg;
+  Means& means;
+  Squares* squares;
+  const mpi::options& opts;
+  workspace_detail::buffers& work;
+  int rank = 0, ranks = 1;
+  std::size_t towers = 0, variables = 0;
+  // The first MPI call of the data path that returned an error: thrown after the last collective
+  // (throwing at once would leave the other ranks waiting for this rank's messages).
+  const char* failed_mpi_call = nullptr;
+  int failed_mpi_code = MPI_SUCCESS;
+  void note(int rc, const char* function) noexcept {
+    if (rc != MPI_SUCCESS && failed_mpi_call == nullptr) failed_mpi_call = function, failed_mpi_code = rc;
+  }
+
+  /// The divisor: every rank's weight sum from the gathered headers, added in rank order (the same
+  /// value on every rank, checked in agreement and used by the data path).
+  double total_weight(const std::uint64_t* all) const noexcept {
+    double sum = 0;
+    for (int r = 0; r < ranks; ++r)
+      sum += bits_to_double(all[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
+    return sum;
+  }
+
+
+  /// The towers of one variable from element `offset` on, for the kernel's tower_reader.
+  struct piece_towers {
+    const void* const* towers;
+    std::size_t offset;
+    static const S* first_element(const void* context, std::size_t k) {
+      const auto* self = static_cast<const piece_towers*>(context);
+      return static_cast<const S*>(self->towers[k]) + self->offset;
+    }
+  };
+
+  struct bucket_set {
+    Buf* local = nullptr;  // the fusion buffer, then the gathered sums
+    Buf* recv = nullptr;   // the other ranks' contributions to this rank's slice, in rank order
+    MPI_Request* requests = nullptr;  // 2 (P - 1): a receive and a send per other rank
+    int* counts = nullptr;            // 4 P: exchange_method::collectives' counts and displacements
+    int pending = 0;                  // requests in use
+  };
+
+  // ---- Preparation: every table and buffer the data path uses, before any collective. ----
+
+  /// Each variable's element count and first flat element, in work.words (prepare()).
+  std::uint64_t* sizes = nullptr;
+  /// Bucket geometry and the buffers behind it (prepare()).
+  std::size_t total = 0;            // elements of the variables present on every local tower
+  std::size_t range_begin = 0, range_end = 0;
+  std::size_t bucket_elements = 0, buckets = 0;
+  bool stream_outputs = false;  // options.stores decided for this rank's data (prepare())
+  bucket_set set[3] = {};
+
+  bool squares_in_buffer() const noexcept { return with_squares || opts.statistics; }
+  bool detect() const noexcept { return opts.on_nonfinite != nonfinite_policy::ignore; }
+
+  /// This rank's tables (tower pointers, outputs, sizes and offsets, per-variable sums) and fusion
+  /// buffers, from its own towers: a variable present on every local tower is taken as averaged
+  /// (agreement throws before the data path where that is not so on every rank). Every
+  /// tensor_traits call and every allocation of the call after validation happens here, before
+  /// the first collective, so that a failure here reaches every rank through it.
+  void prepare() {
+    work.towers.resize(variables * towers);
+    work.outputs.resize(2 * variables);
+    work.sums.resize(3 * variables);
+    sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
+    total = 0;
+    for (std::size_t i = 0; i < variables; ++i) {
+      std::size_t size = 0;
+      bool everywhere = towers != 0;
+      for (std::size_t k = 0; k < towers && everywhere; ++k) {
+        const auto g = gradavg::detail::read_gradient<TG, S>(tg, k, i);
+        everywhere = g.present;
+        work.towers[i * towers + k] = g.data;
+        size = g.dims.size();
+      }
+      if (everywhere) {
+        work.outputs[2 * i] = gradavg::detail::read_output<Means, O>(means, i).data;
+        if constexpr (with_squares)
+          work.outputs[2 * i + 1] = gradavg::detail::read_output<Squares, O>(*squares, i).data;
+        else work.outputs[2 * i + 1] = nullptr;
+      } else {
+        size = 0;
+      }
+      sizes[2 * i] = size;
+      sizes[2 * i + 1] = total;
+      total += size;
+      work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
+    }
+    range_begin = std::min(opts.range.begin, total);
+    range_end = std::min(opts.range.end, total);
+    buckets = 0;
+    // The rank's reads of its towers and writes of its outputs decide the stores (options.stores).
+    stream_outputs = gradavg::detail::streams(
+        opts, (range_end - std::min(range_begin, range_end)) * (towers * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O)));
+    if (range_begin >= range_end) return;
+
+    // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
+    const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
+    const std::size_t fusion_bytes = opts.fusion_bytes != 0 ? opts.fusion_bytes : mpi::automatic_fusion_bytes(ranks);
+    bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
+    const std::size_t n = range_end - range_begin;
+    buckets = (n + bucket_elements - 1) / bucket_elements;
+    // Most variables one bucket can touch: bounded by its elements and by the variable count.
+    const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
+    const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
+    const std::size_t max_slice = (max_len + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+    const std::size_t sets = std::min<std::size_t>(3, buckets);
+    const std::size_t set_elements = max_len + max_slice * static_cast<std::size_t>(ranks);
+    work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
+    Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
+    const std::size_t P = static_cast<std::size_t>(ranks);
+    work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
+    work.counts.resize(opts.exchange == mpi::exchange_method::collectives ? sets * 4 * P : 0);
+    for (std::size_t s = 0; s < sets; ++s)
+      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P,
+                work.counts.empty() ? nullptr : work.counts.data() + s * 4 * P, 0};
+  }
+
+  // ---- The data path, after agreement: tables and buffers only, no tensor_traits call and no
+  // allocation. Its one source of exceptions, the executor (user code) running the kernel, is
+  // answered by zeros in this rank's place and the last collective. ----
+
+  /// One bucket: its flat element range and its buffer's layout.
+  struct bucket_shape {
+    std::size_t begin, end;       // flat
+    std::size_t first_variable;   // the first variable with an element in it
+    std::size_t flags;            // variables with an element in it (detect)
+    std::size_t len;              // Buf elements in the buffer
+  };
+  static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
+
+  /// Set by run(): the global weight sum (the divisor), the fused parameters, the first variable
+  /// shape_of_bucket looks at, and the sums over the finished variables.
+  double weight_sum = 0;
+  bool fused = false;
+  gradavg::detail::fused_params<Buf> params{};
+  std::size_t walk_variable = 0;
+  double everything_mean_squared = 0, everything_mean_of_squares = 0;
+  std::size_t nonfinite_variables = 0;
+
+  bool zero_nonfinite() const noexcept { return opts.on_nonfinite == nonfinite_policy::zero; }
+  std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
+  std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
+  /// options.exchange: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in
+  /// bucket_set::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
+  bool collectives() const noexcept { return opts.exchange == mpi::exchange_method::collectives; }
+  /// Variable i's element count and first flat element (prepare()'s table).
+  std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
+  std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
+  std::size_t slice_begin(std::size_t len, int r) const noexcept {
+    return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks);
+  }
+  static int bytes_of(std::size_t elements) noexcept { return static_cast<int>(elements * sizeof(Buf)); }
+
+  /// Bucket b (buckets are shaped in order: walk_variable only moves forward).
+  bucket_shape shape_of_bucket(std::size_t b) {
+    bucket_shape sh;
+    sh.begin = range_begin + b * bucket_elements;
+    sh.end = std::min(range_end, sh.begin + bucket_elements);
+    while (walk_variable < variables && offset_of(walk_variable) + size_of(walk_variable) <= sh.begin) ++walk_variable;
+    sh.first_variable = walk_variable;
+    std::size_t v = walk_variable, flags = 0;
+    for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
+    sh.flags = detect() ? flags : 0;
+    const std::size_t elements = sh.end - sh.begin;
+    sh.len = elements * (squares_in_buffer() ? 2 : 1) + sh.flags;
+    return sh;
+  }
+
+  /// Progress of outstanding nonblocking collectives while the kernel runs (MPI libraries
+  /// without a progress thread move data only inside MPI calls).
+  void progress() {
+    for (std::size_t s = 0; s < set_count(); ++s) {
+      int done = 0;
+      if (set[s].pending != 0)
+        note(MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
+    }
+  }
+
+  /// Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
+  /// move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
+  void fill_range(const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
+    const std::size_t elements = sh.end - sh.begin;
+    Buf* sums = buffer;
+    Buf* sq = squares_in_buffer() ? buffer + elements : nullptr;
+    Buf* flags = buffer + elements * (squares_in_buffer() ? 2 : 1);
+    const bool prefetch = gradavg::detail::prefetch_pays(elements, towers * sizeof(S) + element_bytes());
+    std::size_t flag = 0;  // the flag of variable i: its position among the bucket's variables
+    for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < hi; ++i) {
+      const std::size_t size = size_of(i);
+      if (size == 0) continue;
+      if (offset_of(i) + size <= lo) {
+        ++flag;
+        continue;
+      }
+      const std::size_t begin = std::max(offset_of(i), lo) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size, hi) - offset_of(i);
+      bool nonfinite = false;
+      const void* const* tp = work.towers.data() + i * towers;
+      for (std::size_t p = begin; p < end; p += piece_elements) {
+        const std::size_t q = std::min(end, p + piece_elements);
+        const std::size_t at = offset_of(i) + p - sh.begin;
+        const piece_towers from{tp, p};
+        const gradavg::detail::tower_reader<S> tower_data{&from, &piece_towers::first_element};
+        const auto piece = gradavg::detail::reduce_range<S, Buf, Buf>(
+            tower_data, towers, 0, q - p, sums + at, sq ? sq + at : nullptr, false, prefetch, Buf(1),
+            fused ? &params : nullptr);
+        nonfinite = nonfinite || (fused && piece.nonfinite);
+        if (with_progress) progress();
+      }
+      // A variable split between chunks has its flag set by any of them (never cleared).
+      if (detect() && nonfinite) std::atomic_ref<Buf>(flags[flag]).store(Buf(1), std::memory_order_relaxed);
+      ++flag;
+    }
+  }
+
+  /// options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
+  void fill(const bucket_shape& sh, Buf* buffer) {
+    const std::size_t elements = sh.end - sh.begin;
+    std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
+    const std::size_t chunks =
+        gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), opts);
+    if (chunks <= 1) {
+      fill_range(sh, buffer, sh.begin, sh.end, true);
+      return;
+    }
+    auto chunk = [&](std::size_t c) {
+      fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
+    };
+    gradavg::detail::run_chunks(chunks, chunk, opts);
+  }
+
+  /// Waits for the bucket's requests in flight.
+  void wait_all(bucket_set& bs) {
+    if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
+    bs.pending = 0;
+  }
+
+  /// Sends every other rank its slice of the bucket; receives theirs of this rank's slice.
+  void start_exchange(const bucket_shape& sh, bucket_set& bs) {
+    const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
+    bs.pending = 0;
+    if (collectives()) {
+      // Nothing to or from this rank itself; the others' contributions in rank order in recv.
+      int* send_counts = bs.counts;
+      int* send_displs = bs.counts + ranks;
+      int* recv_counts = bs.counts + 2 * ranks;
+      int* recv_displs = bs.counts + 3 * ranks;
+      for (int r = 0; r < ranks; ++r) {
+        const std::size_t first = slice_begin(sh.len, r);
+        send_counts[r] = r == rank ? 0 : bytes_of(slice_begin(sh.len, r + 1) - first);
+        send_displs[r] = bytes_of(first);
+        recv_counts[r] = r == rank ? 0 : bytes_of(mine);
+        recv_displs[r] = r == rank ? 0 : bytes_of(static_cast<std::size_t>(r < rank ? r : r - 1) * mine);
+      }
+      note(MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs,
+                          MPI_BYTE, comm, &bs.requests[bs.pending++]),
+           "MPI_Ialltoallv");
+      return;
+    }
+    for (int r = 0, slot = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
+                     comm, &bs.requests[bs.pending++]),
+           "MPI_Irecv");
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      const std::size_t first = slice_begin(sh.len, r);
+      note(MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag,
+                     comm, &bs.requests[bs.pending++]),
+           "MPI_Isend");
+    }
+  }
+
+  /// Waits for the contributions, sums them in rank order into this rank's slice of the buffer
+  /// (its own contribution is there already), and starts sending the sum to every other rank
+  /// and receiving theirs.
+  void reduce_and_gather(const bucket_shape& sh, bucket_set& bs) {
+    wait_all(bs);
+    const std::size_t first = slice_begin(sh.len, rank);
+    const std::size_t mine = slice_begin(sh.len, rank + 1) - first;
+    Buf* out = bs.local + first;
+    // The contribution of another rank r, in recv.
+    auto from = [&](int r) { return bs.recv + static_cast<std::size_t>(r < rank ? r : r - 1) * mine; };
+    constexpr std::size_t block = 512;  // elements summed over every rank at a time (in L1)
+    Buf own[block];                      // this rank's contribution, kept aside while out is rewritten
+    for (std::size_t j0 = 0; j0 < mine; j0 += block) {
+      const std::size_t n = std::min(block, mine - j0);
+      Buf* o = out + j0;
+      if (rank != 0) {
+        std::copy(o, o + n, own);
+        const Buf* in = from(0) + j0;
+        std::copy(in, in + n, o);
+      }
+      for (int r = 1; r < ranks; ++r) {
+        const Buf* in = r == rank ? own : from(r) + j0;
+        for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
+      }
+    }
+    if (collectives()) {
+      int* counts = bs.counts;
+      int* displs = bs.counts + ranks;
+      for (int r = 0; r < ranks; ++r) {
+        counts[r] = bytes_of(slice_begin(sh.len, r + 1) - slice_begin(sh.len, r));
+        displs[r] = bytes_of(slice_begin(sh.len, r));
+      }
+      note(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, counts, displs, MPI_BYTE, comm,
+                           &bs.requests[bs.pending++]),
+           "MPI_Iallgatherv");
+      return;
+    }
+    for (int r = 0; r < ranks; ++r) {
+      if (r == rank) continue;
+      const std::size_t at = slice_begin(sh.len, r);
+      note(MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
+                     &bs.requests[bs.pending++]),
+           "MPI_Irecv");
+    }
+    for (int r = 0; r < ranks; ++r)
+      if (r != rank)
+        note(MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]), "MPI_Isend");
+  }
+
+  /// A variable whose last element in the range has been written: zeroed when the policy says,
+  /// reported.
+  void finish_variable(std::size_t i) {
+    double* acc = work.sums.data() + 3 * i;
+    const bool nonfinite = acc[2] != 0;
+    if (zero_nonfinite() && nonfinite) {
+      const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
+      O* m = static_cast<O*>(work.outputs[2 * i]);
+      std::fill(m + begin, m + end, O(0));
+      if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
+      acc[0] = acc[1] = 0;
+    }
+    if (!opts.per_variable.empty()) {
+      variable_statistics& out = opts.per_variable[i];
+      if (detect()) out.nonfinite = nonfinite;
+      if (opts.statistics) {
+        out.sum_mean_squared = acc[0];
+        out.sum_mean_of_squares = acc[1];
+      }
+    }
+    everything_mean_squared += acc[0];
+    everything_mean_of_squares += acc[1];
+    nonfinite_variables += nonfinite ? 1 : 0;
+  }
+
+  /// Divides a gathered bucket into the outputs, adds its statistics, finishes the variables
+  /// whose last element it holds.
+  template <class Acc>
+  void unpack(const bucket_shape& sh, bucket_set& bs) {
+    wait_all(bs);
+    const Acc divisor = static_cast<Acc>(weight_sum);
+    bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
+    const std::size_t elements = sh.end - sh.begin;
+    const Buf* sums = bs.local;
+    const Buf* sq = bs.local + elements;
+    const Buf* flags = bs.local + elements * (squares_in_buffer() ? 2 : 1);
+    std::size_t flag = 0;
+    for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
+      const std::size_t size = size_of(i);
+      if (size == 0) continue;
+      const std::size_t begin = std::max(offset_of(i), sh.begin) - offset_of(i);
+      const std::size_t end = std::min(offset_of(i) + size, sh.end) - offset_of(i);
+      const std::size_t at = offset_of(i) + begin - sh.begin;
+      O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
+      O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
+      double* acc = work.sums.data() + 3 * i;
+      const std::size_t len = end - begin;
+      // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
+      constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+      auto divide_into = [&](const Buf* from, O* to) {
+        if constexpr (std::is_same_v<Buf, Acc> && std::is_same_v<O, Acc>) {
+          if (stream_outputs) {
+            // The same quotients, stored around the caches.
+            gradavg::detail::stream_quotients<Acc>(from, to, len, divisor);
+            streamed = true;
+            return;
+          }
+        }
+        for (std::size_t j = 0; j < len; ++j) {
+          const Acc x = static_cast<Acc>(from[j]) / divisor;
+          to[j] = static_cast<O>(x == x ? x : nan);
+        }
+      };
+      divide_into(sums + at, m);
+      if (q) divide_into(sq + at, q);
+      if (opts.statistics) {
+        // From the values in Acc, before any rounding to O; one running sum per variable in
+        // element order, carried across buckets: the same bits whatever the bucket size.
+        double mean_squared = acc[0], mean_of_squares = acc[1];
+        for (std::size_t j = 0; j < len; ++j) {
+          const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
+          const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
+          mean_squared += mean * mean;
+          mean_of_squares += square;
+        }
+        acc[0] = mean_squared;
+        acc[1] = mean_of_squares;
+      }
+      if (detect() && flags[flag++] != Buf(0)) acc[2] = 1;
+      if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
+    }
+    if (streamed) gradavg::detail::streaming_fence();
+    progress();
+  }
+
+  /// The data path: every bucket filled, exchanged, gathered and unpacked, three in flight.
+  template <class Acc>
+  summary run() {
+    const std::uint64_t* headers = work.words.data();
+    std::size_t total_towers = 0, weighted_towers = 0;
+    for (int r = 0; r < ranks; ++r) {
+      total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
+      weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
+    }
+    weight_sum = total_weight(headers);
+    const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
+    std::size_t averaged = 0;
+    for (std::size_t i = 0; i < variables; ++i)
+      averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
+
+    summary result;
+    result.skipped = variables - averaged;
+    result.towers = total_towers;
+    result.weighted_towers = weighted_towers;
+    result.statistics = opts.statistics;
+    result.total_samples = opts.samples_per_tower * static_cast<double>(total_towers);
+    const bool whole = range_begin == 0 && range_end == total;
+    result.averaged = averaged;
+    if (!whole) {
+      result.averaged = 0;
+      for (std::size_t i = 0; i < variables; ++i)
+        result.averaged += size_of(i) != 0 && range_begin < range_end && offset_of(i) < range_end &&
+                                   offset_of(i) + size_of(i) > range_begin
+                               ? 1
+                               : 0;
+    }
+    if (range_begin >= range_end) {
+      if (opts.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
+      return result;
+    }
+    const double* weights = opts.weights.empty() ? nullptr : opts.weights.data();
+    fused = weights != nullptr || opts.scale != 1.0 || detect();
+    params = {weights, opts.scale, static_cast<Buf>(opts.scale), detect(), false};
+    walk_variable = 0;
+    everything_mean_squared = everything_mean_of_squares = 0;
+    nonfinite_variables = 0;
+    // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception
+    // in this rank's kernel its contributions are zeros: the messages every rank waits for flow.
+    std::exception_ptr failure;
+    bucket_shape shapes[3];
+    for (std::size_t b = 0; b < buckets + 2; ++b) {
+      if (b < buckets) {
+        bucket_set& bs = set[b % 3];
+        shapes[b % 3] = shape_of_bucket(b);
+        if (!failure) {
+          try {
+            fill(shapes[b % 3], bs.local);
+          } catch (...) {
+            failure = std::current_exception();
+          }
+        }
+        if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
+        start_exchange(shapes[b % 3], bs);
+      }
+      if (b >= 1 && b - 1 < buckets) {
+        bucket_set& bs = set[(b - 1) % 3];
+        reduce_and_gather(shapes[(b - 1) % 3], bs);
+      }
+      if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3]);
+    }
+    // The last collective: the lowest rank whose kernel failed, if any.
+    int failed_rank = failure ? rank : ranks;
+    check(MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
+    if (failed_mpi_call != nullptr) check(failed_mpi_code, failed_mpi_call);
+    if (failure) std::rethrow_exception(failure);
+    if (failed_rank < ranks)
+      throw remote_error("gradavg::mpi: rank " + std::to_string(failed_rank) +
+                         " failed while averaging (an exception from user code there, after validation: see the "
+                         "error thrown there); the outputs of this call are partly written on every rank");
+    result.nonfinite_variables = nonfinite_variables;
+    if (opts.statistics) {
+      result.sum_mean_squared = everything_mean_squared;
+      result.sum_mean_of_squares = everything_mean_of_squares;
+    }
+    return result;
+  }
+};
+
+}  // namespace mpi_detail
+
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace mpi
+}  // namespace gradavg
