@@ -3,17 +3,14 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
-#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
 
-#include "../average.hpp"
 #include "mpi_data_path.hpp"
 #include "mpi_support.hpp"
 
