@@ -28,6 +28,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include "detail/torch_buckets.hpp"
 #include "torch.hpp"
 
 namespace gradavg {
@@ -124,7 +125,7 @@ class data_parallel {
     std::exception_ptr failure;
     for (const bucket& bk : buckets_) {
       overlapped_ += bk.queued ? 1 : 0;
-      failure = earlier_in_parameter_order(failure, bk.failure);
+      failure = detail::earlier_in_parameter_order(failure, bk.failure);
     }
     if (failure) std::rethrow_exception(failure);
     for (const bucket& bk : buckets_) {
@@ -208,14 +209,18 @@ class data_parallel {
       : replicas_(replicas.begin(), replicas.end()), opts_(opts), mopts_(mopts), over_(std::move(over)) {
     std::exception_ptr failure;
     try {
-      check_options();
+      detail::check_bucket_options(opts_);
       params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
       parameter_count_ = params_.empty() ? 0 : params_[0].size();
-      assign_buckets(buckets);
+      if (!params_.empty())
+        for (auto& parameters : detail::assign_buckets(params_[0], buckets.bytes)) {
+          buckets_.emplace_back();
+          buckets_.back().parameters = std::move(parameters);
+        }
     } catch (...) {
       failure = std::current_exception();
     }
-    if (agree) agree(buckets_fingerprint(), failure);
+    if (agree) agree(detail::buckets_fingerprint(parameter_count_, this->buckets()), failure);
     if (failure) std::rethrow_exception(failure);
     for (auto& b : buckets_) max_bucket_ = std::max(max_bucket_, b.parameters.size());
     for (scratch* s : {&worker_scratch_, &caller_scratch_}) {
@@ -273,35 +278,6 @@ class data_parallel {
     data_parallel& owner;
     ~step_reset() { owner.reset_step(); }
   };
-
-  void check_options() const {
-    const char* what = nullptr;
-    if (opts_.include_square) what = "options.include_square";
-    else if (!opts_.per_variable.empty()) what = "options.per_variable";
-    else if (opts_.range.begin != 0 || opts_.range.end != element_range{}.end) what = "options.range";
-    else if (opts_.layout != nullptr) what = "options.layout";
-    if (what != nullptr)
-      throw option_error(std::string("gradavg::libtorch::data_parallel: ") + what +
-                         " is not available with buckets (it spans every parameter); use average_module_gradients");
-  }
-
-  /// Buckets in reverse parameter order over the parameters that require a gradient on replica 0.
-  void assign_buckets(const bucket_options& opt) {
-    if (params_.empty()) return;
-    std::size_t bytes = 0;
-    for (std::size_t n = parameter_count_; n-- > 0;) {
-      const at::Tensor& p = params_[0][n].value();
-      if (!p.defined() || !p.requires_grad()) continue;
-      const std::size_t size = p.nbytes();
-      if (buckets_.empty() || bytes + size > opt.bytes ||
-          params_[0][buckets_.back().parameters.back()].value().scalar_type() != p.scalar_type()) {
-        buckets_.emplace_back();
-        bytes = 0;
-      }
-      buckets_.back().parameters.push_back(n);
-      bytes += size;
-    }
-  }
 
   void add_hooks() {
     try {
@@ -396,7 +372,7 @@ class data_parallel {
     overlapped_ = 0;
     for (const bucket& bk : buckets_) {
       overlapped_ += bk.queued ? 1 : 0;
-      failure = earlier_in_parameter_order(failure, bk.failure);
+      failure = detail::earlier_in_parameter_order(failure, bk.failure);
       reports.push_back(&bk.report);
       masked_total += parameter_count_ - bk.parameters.size();
     }
@@ -405,7 +381,7 @@ class data_parallel {
       try {
         rest = over_(rest_mask_, params_);
       } catch (...) {
-        failure = earlier_in_parameter_order(failure, std::current_exception());
+        failure = detail::earlier_in_parameter_order(failure, std::current_exception());
       }
       reports.push_back(&rest);
       masked_total += bucketed_count_;
@@ -415,60 +391,9 @@ class data_parallel {
     return merged(reports, masked_total);
   }
 
-  /// The report of one call over every parameter from the reports of calls over parts of them:
-  /// counts summed (less `masked`, the parameters the calls read as absent, which each counted as
-  /// skipped), statistics summed in the reports' order, names in named_parameters() order.
+  /// detail::merged_report over this object's parameters and options.
   module_report merged(const std::vector<const module_report*>& reports, std::size_t masked) const {
-    module_report all;
-    all.report.statistics = opts_.statistics;
-    if (opts_.statistics) all.report.sum_mean_squared = all.report.sum_mean_of_squares = 0;
-    std::vector<std::pair<std::size_t, std::string>> skipped, zero_filled;
-    for (const module_report* r : reports) {
-      all.report.averaged += r->report.averaged;
-      all.report.skipped += r->report.skipped;
-      all.report.nonfinite_variables += r->report.nonfinite_variables;
-      all.report.towers = r->report.towers;
-      all.report.weighted_towers = r->report.weighted_towers;
-      all.report.total_samples = r->report.total_samples;
-      if (opts_.statistics) {
-        all.report.sum_mean_squared += r->report.sum_mean_squared;
-        all.report.sum_mean_of_squares += r->report.sum_mean_of_squares;
-      }
-      for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
-      for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
-    }
-    all.report.skipped -= std::min(all.report.skipped, masked);
-    std::sort(skipped.begin(), skipped.end());
-    std::sort(zero_filled.begin(), zero_filled.end());
-    for (auto& e : skipped) all.skipped.push_back(std::move(e.second));
-    for (auto& e : zero_filled) all.zero_filled.push_back(std::move(e.second));
-    return all;
-  }
-
-  /// Of two errors (either may be null), the one a call over every parameter would throw: the
-  /// one naming the earlier parameter (gradavg::error::variable_index()), else a; errors that
-  /// name no parameter (another rank's, an executor's) before those that do.
-  static std::exception_ptr earlier_in_parameter_order(std::exception_ptr a, std::exception_ptr b) {
-    if (!a || !b) return a ? a : b;
-    const auto index = [](const std::exception_ptr& e) {
-      try {
-        std::rethrow_exception(e);
-      } catch (const error& g) {
-        return g.variable_index();
-      } catch (...) {
-        return error::npos;
-      }
-    };
-    const std::size_t ia = index(a), ib = index(b);
-    if (ia == error::npos) return a;
-    if (ib == error::npos) return b;
-    return ib < ia ? b : a;
-  }
-
-  std::size_t index_of(const std::string& name) const {
-    for (std::size_t i = 0; i < parameter_count_; ++i)
-      if (params_[0][i].key() == name) return i;
-    return parameter_count_;
+    return detail::merged_report(reports, masked, opts_.statistics, params_.empty() ? nullptr : &params_[0]);
   }
 
   /// Throws for a gradient that a replica produced more than once since the last finish().
@@ -481,18 +406,6 @@ class data_parallel {
                           "' more than once since the last finish(); run one backward per replica per step, or "
                           "accumulate micro-batches under no_sync()",
                       i);
-  }
-
-  /// FNV-1a of the parameter count and every bucket's parameters.
-  std::uint64_t buckets_fingerprint() const noexcept {
-    std::uint64_t h = 1469598103934665603ull;
-    const auto mix = [&](std::uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-    mix(parameter_count_);
-    for (const bucket& b : buckets_) {
-      mix(b.parameters.size());
-      for (const std::size_t i : b.parameters) mix(i);
-    }
-    return h;
   }
 
   /// Across processes: each bucket's mask (every parameter but its own), and the mask of the
