@@ -449,8 +449,7 @@ class data_parallel {
       s.means.clear();
       for (const auto& e : s.towers[0]) s.means.push_back(e.first);
       bk.report.report = average_gradients_into(s.towers, s.means, opts_);
-      if (mopts_.means_to == mean_target::every_replica)
-        detail::copy_to_replicas(s.towers, s.means, 1, replicas_.size(), opts_);
+      detail::copy_to_replicas(s.towers, s.means, 1, detail::receiving_replicas(mopts_, replicas_.size()), opts_);
     } catch (...) {
       bk.failure = std::current_exception();
     }

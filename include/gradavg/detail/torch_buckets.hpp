@@ -105,16 +105,10 @@ inline module_report merged_report(const std::vector<const module_report*>& repo
   if (statistics) all.report.sum_mean_squared = all.report.sum_mean_of_squares = 0;
   std::vector<std::pair<std::size_t, std::string>> skipped, zero_filled;
   for (const module_report* r : reports) {
-    all.report.averaged += r->report.averaged;
-    all.report.skipped += r->report.skipped;
-    all.report.nonfinite_variables += r->report.nonfinite_variables;
+    add_part(all.report, r->report);  // without statistics the sums stay NaN, as every call's are
     all.report.towers = r->report.towers;
     all.report.weighted_towers = r->report.weighted_towers;
     all.report.total_samples = r->report.total_samples;
-    if (statistics) {
-      all.report.sum_mean_squared += r->report.sum_mean_squared;
-      all.report.sum_mean_of_squares += r->report.sum_mean_of_squares;
-    }
     for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
     for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
   }

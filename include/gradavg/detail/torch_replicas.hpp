@@ -155,6 +155,20 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 }
 
 using named_tensors = ::torch::OrderedDict<std::string, at::Tensor>;
+
+/// How many replicas, from replica 0 on, receive the means (module_options::means_to).
+inline std::size_t receiving_replicas(const module_options& mopts, std::size_t k_count) noexcept {
+  return mopts.means_to == mean_target::first_replica ? std::min<std::size_t>(1, k_count) : k_count;
+}
+
+/// Adds the counts and the statistics' sums of a call over other parameters to `into`.
+inline void add_part(summary& into, const summary& part) noexcept {
+  into.averaged += part.averaged;
+  into.skipped += part.skipped;
+  into.nonfinite_variables += part.nonfinite_variables;
+  into.sum_mean_squared += part.sum_mean_squared;
+  into.sum_mean_of_squares += part.sum_mean_of_squares;
+}
 using replica_towers = std::vector<std::vector<std::pair<at::Tensor, std::string_view>>>;
 
 /// One module-helper call's state, step by step (average_replicas): the replicas' parameters as
@@ -178,6 +192,11 @@ struct replica_call {
 
   const std::vector<named_tensors>& parameters() const noexcept { return *params; }
 
+  /// Whether `done` (null, or bits as presence's) marks parameter i.
+  static bool marked(const std::vector<std::uint64_t>* done, std::size_t i) noexcept {
+    return done != nullptr && presence::has(*done, i);
+  }
+
   /// Reads every replica's gradients: a parameter that requires no gradient, or that `done` marks
   /// (bits as presence's), reads as absent. known: the replicas' named_parameters(), or null.
   void read(std::span<::torch::nn::Module* const> replicas, const std::vector<std::uint64_t>* done,
@@ -197,7 +216,7 @@ struct replica_call {
         for (std::size_t i = 0; i < parameters()[k].size(); ++i) {
           const auto& item = parameters()[k][i];
           const at::Tensor& p = item.value();
-          const bool take = p.requires_grad() && !(done != nullptr && presence::has(*done, i));
+          const bool take = p.requires_grad() && !marked(done, i);
           tg[k].emplace_back(take ? p.grad() : at::Tensor(), std::string_view(item.key()));
         }
       }
@@ -318,15 +337,10 @@ struct replica_call {
       const summary s = average(group_tg, group_outputs, squares ? &group_squares : nullptr, nullptr,
                                 std::span<variable_statistics>(group_statistics));
       for (std::size_t j = 0; j < group_statistics.size(); ++j) opts.per_variable[groups[g][j]] = group_statistics[j];
-      if (g == 0) {
+      if (g == 0)
         result.report = s;
-      } else {
-        result.report.averaged += s.averaged;
-        result.report.skipped += s.skipped;
-        result.report.nonfinite_variables += s.nonfinite_variables;
-        result.report.sum_mean_squared += s.sum_mean_squared;
-        result.report.sum_mean_of_squares += s.sum_mean_of_squares;
-      }
+      else
+        add_part(result.report, s);
     }
     means = std::move(outputs);
   }
@@ -337,12 +351,12 @@ struct replica_call {
   /// own: by_dtype).
   void deliver(const options& opts, const module_options& mopts, const std::vector<std::uint64_t>* done,
                bool by_dtype) {
-    const std::size_t receivers = mopts.means_to == mean_target::first_replica ? 1 : k_count;
+    const std::size_t receivers = receiving_replicas(mopts, k_count);
     for (const auto& f : fills)
       if (f.replica < receivers)
         parameters()[f.replica][f.parameter].value().mutable_grad() = tg[f.replica][f.parameter].first;
     for (std::size_t i = 0; i < means.size(); ++i)
-      if (!means[i].defined() && !(done != nullptr && presence::has(*done, i)))
+      if (!means[i].defined() && !marked(done, i))
         result.skipped.emplace_back(tg[0][i].second);
     copy_to_replicas(tg, means, by_dtype ? 0 : 1, receivers, opts);
   }
