@@ -107,11 +107,17 @@ struct fused_state {
   }
 };
 
-/// Where a group's sums come from and go: FromAcc = the accumulator block is added first;
-/// ToOut = the group is the last, so results are divided by the weight sum and stored to the
-/// outputs. Fused: weights, scale, and as fused_params ask the non-finite probe and statistics.
-/// S: the gradients' element type; O: the outputs'.
-template <class S, class Acc, class O, bool Fused, bool WithSquare, bool FromAcc, bool ToOut>
+/// One group of up to group_towers towers over a range of one variable. Where its sums come from
+/// and go: from_acc, the accumulator block is added first; to_out, the group is the last, so
+/// results are divided by the weight sum and stored to the outputs; stream, with non-temporal
+/// stores. Direct: the common case known at compile time, up to group_towers towers straight to
+/// the outputs (!from_acc, to_out), inlined into its caller; DirectStream: its stores (a template
+/// because a branch per step measurably slows the in-cache and streaming passes). Otherwise (the
+/// accumulator-block passes, partial steps) those three are run-time members: one predictable
+/// branch per step, not a copy of the loop per combination. Prefetching is a run-time member
+/// everywhere (a branch per tower and step). Fused: weights, scale, and as fused_params ask the
+/// non-finite probe and statistics. S: the gradients' element type; O: the outputs'.
+template <class S, class Acc, class O, bool Fused, bool WithSquare, bool Direct, bool DirectStream = false>
 struct group_pass {
   using ops = packet_ops<Acc>;
   using in = storage_ops<S, Acc>;
@@ -130,9 +136,9 @@ struct group_pass {
 
   const S* const* towers;  // count pointers, already offset to element 0 of this pass
   std::size_t count;
-  Acc* acc;  // accumulator block (FromAcc or !ToOut), indexed like the outputs; any alignment
+  Acc* acc;  // accumulator block (from_acc or !to_out), indexed like the outputs; any alignment
   Acc* sq;
-  O* mean;  // outputs (ToOut), offset like towers
+  O* mean;  // outputs (to_out), offset like towers
   O* square;  // null in a fused pass that computes squares only for the statistics
   Acc divisor;
   Acc reciprocal;  // exact_reciprocal(divisor): multiply by it instead of dividing when not 0
@@ -140,24 +146,36 @@ struct group_pass {
   const fused_params<Acc>* fused;
   fused_state<Acc>* state;  // fused: carried from group to group; copied into registers by run()
   bool prefetch;  // whole steps prefetch the towers' data (prefetch_ahead)
-  bool stream;    // ToOut: whole steps store the outputs non-temporally (storage_ops::stream_step)
+  bool stream;    // to_out: whole steps store the outputs non-temporally (storage_ops::stream_step)
+  bool from_acc;
+  bool to_out;
+
+  bool adds_block() const noexcept {
+    if constexpr (Direct) return false; else return from_acc;
+  }
+  bool writes_outputs() const noexcept {
+    if constexpr (Direct) return true; else return to_out;
+  }
+  bool streams() const noexcept {
+    if constexpr (Direct) return DirectStream; else return stream;
+  }
 
   struct no_state {};
   using registers = std::conditional_t<Fused, fused_state<Acc>, no_state>;
 
   /// Elements [j, j + E): U packets of every tower, summed in registers. Unit (fused only): every
   /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
-  /// and the plain ones run. StreamOut: store the outputs non-temporally. prefetching: ask for
-  /// each tower's data prefetch_distance bytes ahead (run_steps passes a constant, so each of its
-  /// loops has the branch folded away).
-  template <bool Unit, bool StreamOut>
-  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching) const noexcept {
+  /// and the plain ones run. stream_out: store the outputs non-temporally. prefetching: ask for
+  /// each tower's data prefetch_distance bytes ahead.
+  template <bool Unit>
+  GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching,
+                            bool stream_out) const noexcept {
     constexpr bool Weighted = Fused && !Unit;
     P a[U], s[U];
     std::size_t k = 0;
     P c{};  // the scale, for the squares
     if constexpr (Weighted && Squares) c = ops::broadcast(fused->scale_in_acc);
-    if constexpr (FromAcc) {
+    if (adds_block()) {
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
         a[u] = ops::load(acc + j + u * W);
@@ -216,7 +234,7 @@ struct group_pass {
         if (ops::any_nan(probe)) st.nonfinite = inputs_nonfinite(j);
       }
     }
-    if constexpr (ToOut) {
+    if (writes_outputs()) {
       P m[U], q[U];
       GRADAVG_UNROLL_
       for (std::size_t u = 0; u < U; ++u) {
@@ -249,11 +267,11 @@ struct group_pass {
           }
         }
       if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(m);
-      if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
+      if (stream_out) out::template stream_step<LaneOrderOut>(mean + j, m); else out::template store_step<LaneOrderOut>(mean + j, m);
       if constexpr (Squares) {
         if (!Fused || square != nullptr) {  // else the squares fed only the statistics
           if constexpr (LaneOrder && !LaneOrderOut) in::template reorder_lanes<true>(q);
-          if constexpr (StreamOut) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
+          if (stream_out) out::template stream_step<LaneOrderOut>(square + j, q); else out::template store_step<LaneOrderOut>(square + j, q);
         }
       }
     } else {
@@ -278,24 +296,26 @@ struct group_pass {
     return ops::any_nan(probe);
   }
 
-  /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by step() exactly as
-  /// whole steps are, and the n results copied back.
-  template <bool Unit>
+  /// Elements [j, j + n), n < E: copied into a zero-padded step, computed by run() as one whole
+  /// step (the general operations: the same bits as the Unit ones), and the n results copied back.
   void partial_step(std::size_t j, std::size_t n, registers& st) const noexcept {
     alignas(64) S in_buf[group_towers][E] = {};
     const S* in_ptrs[group_towers];
     for (std::size_t k = 0; k < group_towers; ++k) in_ptrs[k] = in_buf[k];
     for (std::size_t k = 0; k < count; ++k) std::memcpy(in_buf[k], towers[k] + j, n * sizeof(S));
     alignas(64) Acc a_buf[E] = {}, s_buf[E] = {};
-    if constexpr (FromAcc) {
+    if (adds_block()) {
       std::memcpy(a_buf, acc + j, n * sizeof(Acc));
       if constexpr (Squares) std::memcpy(s_buf, sq + j, n * sizeof(Acc));
     }
     alignas(64) O m_buf[E], q_buf[E];
-    const group_pass padded{in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal,
-                            weights, fused, state, false, false};
-    padded.template step<Unit, false>(0, st, false);
-    if constexpr (ToOut) {
+    fused_state<Acc>* padded_state = nullptr;
+    if constexpr (Fused) padded_state = &st;
+    const group_pass<S, Acc, O, Fused, WithSquare, false> padded{
+        in_ptrs, count, a_buf, s_buf, m_buf, q_buf, divisor, reciprocal, weights, fused, padded_state,
+        false, false, adds_block(), writes_outputs()};
+    padded.run(E);
+    if (writes_outputs()) {
       std::memcpy(mean + j, m_buf, n * sizeof(O));
       if constexpr (Squares)
         if (square != nullptr) std::memcpy(square + j, q_buf, n * sizeof(O));
@@ -305,25 +325,25 @@ struct group_pass {
     }
   }
 
-  /// Elements [0, len).
-  void run(std::size_t len) const noexcept { run_inlined(len); }
-
-  /// run(), inlined into a caller whose towers' pointers and weights are its arrays of
-  /// group_towers: their loads are then unrolled and hoisted out of the steps.
-  GRADAVG_INLINE_ void run_inlined(std::size_t len) const noexcept {
+  /// Elements [0, len) with the general operations: every pass but the Direct one, and partial
+  /// steps.
+  [[gnu::noinline]] void run(std::size_t len) const noexcept {
     registers st;  // a local the compiler can keep in registers, unlike *state
+    if constexpr (Fused) st = *state;
+    run_steps<false>(len, st);
+    if constexpr (Fused) *state = st;
+  }
+
+  /// Elements [0, len) of a Direct pass, inlined into a caller whose towers' pointers and weights
+  /// are its arrays of group_towers: their loads are then unrolled and hoisted out of the steps.
+  GRADAVG_INLINE_ void run_inlined(std::size_t len) const noexcept {
+    registers st;
     if constexpr (Fused) {
       st = *state;
-      // The plain operations where every f_k and c are 1, only where up to group_towers towers
-      // go straight to the outputs: more towers take the general ones (the same bits), sparing
-      // a second copy of the block passes.
-      if constexpr (!FromAcc && ToOut) {
-        bool unit = fused->scale_in_acc == Acc(1);
-        for (std::size_t k = 0; k < count; ++k) unit = unit && weights[k] == Acc(1);
-        if (unit) run_steps<true>(len, st); else run_steps<false>(len, st);
-      } else {
-        run_steps<false>(len, st);
-      }
+      // The plain operations where every f_k and c are 1 (the same bits as the general ones).
+      bool unit = fused->scale_in_acc == Acc(1);
+      for (std::size_t k = 0; k < count; ++k) unit = unit && weights[k] == Acc(1);
+      if (unit) run_steps<true>(len, st); else run_steps<false>(len, st);
       *state = st;
     } else {
       run_steps<false>(len, st);
@@ -335,29 +355,23 @@ struct group_pass {
   template <bool Unit>
   GRADAVG_INLINE_ void run_steps(std::size_t len, registers& st) const noexcept {
     std::size_t j = 0;
-    if (ToOut && stream) {
+    const bool stream_out = writes_outputs() && streams();
+    if (stream_out) {
       // Not with statistics: their lanes follow the steps, which must not move with the outputs'
       // address (a misaligned packet is then stored normally, see packet_ops::stream).
       const std::size_t misaligned = reinterpret_cast<std::uintptr_t>(mean) % out::step_store_bytes;
       if (misaligned % sizeof(O) == 0 && misaligned != 0 && !(Fused && fused->statistics)) {
         j = std::min(len, (out::step_store_bytes - misaligned) / sizeof(O));
-        partial_step<Unit>(0, j, st);
+        partial_step(0, j, st);
       }
     }
     // The whole steps update a copy whose address is never taken (partial_step takes st's), so
     // that the compiler can keep the fused state in registers across the steps.
     registers in_steps = st;
-    if (ToOut && stream) {
-      if (software_prefetch && prefetch)
-        for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, true);
-      for (; j + E <= len; j += E) step<Unit, ToOut>(j, in_steps, false);
-    } else {
-      if (software_prefetch && prefetch)
-        for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, true);
-      for (; j + E <= len; j += E) step<Unit, false>(j, in_steps, false);
-    }
+    const bool prefetching = software_prefetch && prefetch;
+    for (; j + E <= len; j += E) step<Unit>(j, in_steps, prefetching, stream_out);
     st = in_steps;
-    if (j < len) partial_step<Unit>(j, len - j, st);
+    if (j < len) partial_step(j, len - j, st);
   }
 };
 
@@ -408,14 +422,10 @@ template <class S, class Acc, class O, bool Fused, bool WithSquare>
       v.load(tower_data, first, count, block, fused);
       O* m = mean + block;
       O* q = square ? square + block : nullptr;
-      if (first + count < tower_count)
-        group_pass<S, Acc, O, Fused, WithSquare, true, false>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
-      else
-        group_pass<S, Acc, O, Fused, WithSquare, true, true>{
-            v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights, fused, v.state_ptr(), prefetch, stream}
-            .run(len);
+      const bool last = first + count == tower_count;
+      group_pass<S, Acc, O, Fused, WithSquare, false>{v.group, count, acc, sq, m, q, divisor, reciprocal, v.weights,
+                                                      fused, v.state_ptr(), prefetch, stream, true, last}
+          .run(len);
     }
   }
 }
@@ -428,10 +438,17 @@ piece_result reduce_range_impl(const tower_reader<S>& tower_data, std::size_t to
   variable_pass<S, Acc, Fused> v;
   if (tower_count <= group_towers) {
     v.load(tower_data, 0, tower_count, begin, fused);
-    group_pass<S, Acc, O, Fused, WithSquare, false, true>{
-        v.group, tower_count, nullptr, nullptr, mean + begin, square ? square + begin : nullptr, divisor, reciprocal,
-        v.weights, fused, v.state_ptr(), prefetch, stream}
-        .run_inlined(end - begin);
+    O* q = square ? square + begin : nullptr;
+    if (stream)
+      group_pass<S, Acc, O, Fused, WithSquare, true, true>{
+          v.group, tower_count, nullptr, nullptr, mean + begin, q, divisor, reciprocal, v.weights, fused, v.state_ptr(),
+          prefetch, true, false, true}
+          .run_inlined(end - begin);
+    else
+      group_pass<S, Acc, O, Fused, WithSquare, true, false>{
+          v.group, tower_count, nullptr, nullptr, mean + begin, q, divisor, reciprocal, v.weights, fused, v.state_ptr(),
+          prefetch, false, false, true}
+          .run_inlined(end - begin);
   } else {
     reduce_blocks<S, Acc, O, Fused, WithSquare>(v, tower_data, tower_count, begin, end, mean, square, divisor,
                                                 reciprocal, fused, prefetch, stream);
