@@ -1,4 +1,4 @@
-// The conversions between the accumulator and the storage types (detail/packet_level.hpp), at
+// The conversions between the accumulator and the storage types (detail/storage_level.hpp), at
 // every level this unit compiles that the CPU runs (built without instruction-set flags on
 // x86-64: SSE2, AVX2, AVX-512 and AVX-512 BF16; NEON or the scalar path elsewhere), each level's
 // functions called directly, on every path they take (intrinsics where the level has them,

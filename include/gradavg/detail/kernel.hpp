@@ -33,11 +33,11 @@
 // With streaming set, outputs are written with non-temporal stores where the target has them;
 // with prefetch set (large calls), whole steps prefetch each tower's data a little ahead.
 //
-// Levels (simd.hpp): packet_level.hpp and kernel_level.hpp are compiled once per level this
-// translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2, avx2, avx512,
-// avx512_bf16; detail::generic for a unit without run-time dispatch) and, on x86-64, inside a
-// region that enables the level's instructions for those functions alone; reduce_range picks one
-// per call.
+// Levels (simd.hpp): packet_level.hpp, storage_level.hpp and kernel_level.hpp are compiled once
+// per level this translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2,
+// avx2, avx512, avx512_bf16; detail::generic for a unit without run-time dispatch) and, on
+// x86-64, inside a region that enables the level's instructions for those functions alone;
+// reduce_range picks one per call.
 #pragma once
 
 #include <algorithm>
@@ -246,6 +246,7 @@ GRADAVG_END_ISA_NAMESPACE
 #define GRADAVG_LEVEL_NS_ sse2
 #define GRADAVG_LEVEL_SSE2_ 1
 #include "packet_level.hpp"
+#include "storage_level.hpp"
 #include "kernel_level.hpp"
 #undef GRADAVG_LEVEL_SSE2_
 #undef GRADAVG_LEVEL_NS_
@@ -258,6 +259,7 @@ GRADAVG_END_ISA_NAMESPACE
 GRADAVG_TARGET_PUSH_(GRADAVG_AVX2_TARGET_)
 #endif
 #include "packet_level.hpp"
+#include "storage_level.hpp"
 #include "kernel_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 3
 GRADAVG_TARGET_POP_
@@ -273,6 +275,7 @@ GRADAVG_TARGET_POP_
 GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_TARGET_)
 #endif
 #include "packet_level.hpp"
+#include "storage_level.hpp"
 #include "kernel_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 4
 GRADAVG_TARGET_POP_
@@ -291,6 +294,7 @@ GRADAVG_TARGET_POP_
 GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_BF16_TARGET_)
 #endif
 #include "packet_level.hpp"
+#include "storage_level.hpp"
 #include "kernel_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 5
 GRADAVG_TARGET_POP_
@@ -304,6 +308,7 @@ GRADAVG_TARGET_POP_
 #define GRADAVG_LEVEL_NS_ generic
 #define GRADAVG_LEVEL_GENERIC_ 1
 #include "packet_level.hpp"
+#include "storage_level.hpp"
 #include "kernel_level.hpp"
 #undef GRADAVG_LEVEL_GENERIC_
 #undef GRADAVG_LEVEL_NS_
