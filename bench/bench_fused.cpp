@@ -18,6 +18,8 @@
 //     stats                   options.statistics (samples_per_tower 32), means only
 //     stats_sq                the same with a squares output
 //     all, all_sq             weights + scale + report + statistics together, without and with squares
+//     all_nt, all_sq_nt       the same with streaming stores (what store_policy::automatic picks for
+//                             calls of streaming_threshold_bytes or more)
 //     separate                the separate-pass way: plain mean, then a norm pass (double), then a
 //                             non-finite pass, then a scale pass over the means, each on the
 //                             same number of threads
@@ -34,6 +36,7 @@
 //   GBps.<c>                credited bytes / median seconds of contender c
 //   <f>.over.mean           median t(f) / t(mean), f in weights, scale, report, stats, all, separate
 //   <f>.over.mean_sq        median t(f) / t(mean_sq), f in stats_sq, all_sq
+//   all_nt.over.mean_nt, all_sq_nt.over.mean_sq_nt   the same for the streaming contenders
 //   separate.over.all       median t(separate) / t(all)
 //   <op>.best_nt            1 when <op>_nt's median is below <op>'s (op: mean, mean_sq)
 //   <op>.of.copy, <op>.of.copy_nt   median bandwidth(best of <op>, <op>_nt) / bandwidth(copy)
@@ -312,7 +315,8 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
         {"weights", false, false, true, false, false, false}, {"scale", false, false, false, true, false, false},
         {"report", false, false, false, false, true, false},  {"stats", false, false, false, false, false, true},
         {"stats_sq", true, false, false, false, false, true}, {"all", false, false, true, true, true, true},
-        {"all_sq", true, false, true, true, true, true},
+        {"all_sq", true, false, true, true, true, true},      {"all_nt", false, true, true, true, true, true},
+        {"all_sq_nt", true, true, true, true, true, true},
     };
     error = add_copies<float>(cmp, towers[0], elements, threads);
     if (error.empty()) error = add_read<float>(cmp, tw, elements, threads, mean_bytes);
@@ -357,6 +361,8 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
   for (const char* f : {"stats_sq", "all_sq"})
     state.counters[std::string(f) + ".over.mean_sq"] = time_ratio(*cmp.find(f), mean_sq);
   state.counters["separate.over.all"] = time_ratio(*cmp.find("separate"), *cmp.find("all"));
+  state.counters["all_nt.over.mean_nt"] = time_ratio(*cmp.find("all_nt"), *cmp.find("mean_nt"));
+  state.counters["all_sq_nt.over.mean_sq_nt"] = time_ratio(*cmp.find("all_sq_nt"), *cmp.find("mean_sq_nt"));
 }
 
 // ---- 16-bit points: bandwidth against a copy of the same bytes, and oneDNN. -----------------
