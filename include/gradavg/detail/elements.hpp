@@ -65,6 +65,101 @@ struct call_elements {
   element_type outputs = element_type::float32;
 };
 
+/// The element type of every present gradient of tg (tensors of run-time element type); nullopt
+/// when none is present. Two that differ: element_type_error naming both.
+template <class TG>
+std::optional<element_type> gradients_element(const TG& tg, std::size_t variable_count) {
+  using E = entry_t<TG>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  std::optional<element_type> first;  // the first present gradient's type, at first_variable / first_tower
+  std::size_t first_variable = 0, first_tower = 0;
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    std::optional<element_type> own;  // this variable's first present gradient's type
+    std::size_t own_tower = 0;
+    for (std::size_t k = 0; k < tower_count; ++k) {
+      const std::optional<element_type> t = with_entry(tg, k, i, [&](const E& e) -> std::optional<element_type> {
+        try {
+          auto&& s = entry_traits<E>::gradient(e);
+          if (!slot_present(s)) return std::nullopt;
+          return element_of(slot_get(s));
+        } catch (const error&) {
+          rethrow_located(tg, i, "gradient on tower " + std::to_string(k));
+        }
+      });
+      if (!t) continue;
+      if (!own) {
+        own = t;
+        own_tower = k;
+      }
+      if (!first) {
+        first = t;
+        first_variable = i;
+        first_tower = k;
+      } else if (*t != *first) {
+        std::string message = describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) + " is " +
+                              std::string(element_name(*t)) + " but ";
+        if (*own != *t)
+          message += "on tower " + std::to_string(own_tower) + " is " + std::string(element_name(*own));
+        else
+          message += describe_variable_at(tg, first_variable) + "'s gradient on tower " + std::to_string(first_tower) +
+                     " is " + std::string(element_name(*first));
+        message +=
+            "; every gradient of one call must have the same element type (convert, or average each element type "
+            "in a call of its own)";
+        throw element_type_error(message, i);
+      }
+    }
+  }
+  return first;
+}
+
+/// The outputs' element type as far as check_output_elements has seen them.
+struct output_elements {
+  std::optional<element_type> type;
+  std::size_t variable = 0;      // where type was first seen
+  const char* what = "means";
+};
+
+/// Checks the element type of every output of `outputs` ("means" or "squares") that will be
+/// written (its variable's gradient on tower 0 present): allowed for gradients of type
+/// `gradients`, and the same as every output seen before (output_error). Nothing when the range
+/// does not hold one output per variable (validate_into reports the count).
+template <class TG, class Outputs>
+void check_output_elements(const TG& tg, std::size_t variable_count, Outputs& outputs, const char* what,
+                           element_type gradients, output_elements& seen) {
+  using E = entry_t<TG>;
+  using O = output_tensor_t<Outputs&>;
+  if (std::ranges::size(outputs) != variable_count) return;
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    std::optional<element_type> o;
+    try {
+      if (!with_entry(tg, 0, i, [](const E& e) { return slot_present(entry_traits<E>::gradient(e)); })) continue;
+      auto&& s = at(outputs, i);
+      if (!slot_present(s)) continue;  // validate_into reports the null output
+      o = element_of(slot_get(s));
+    } catch (const error&) {
+      rethrow_located(tg, i, std::string("the ") + what + " output");
+    }
+    if (!output_element_allowed(gradients, *o))
+      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " + std::string(element_name(*o)) +
+                             " but the gradients are " + std::string(element_name(gradients)) +
+                             "; outputs hold the gradients' element type (or float32 for 16-bit gradients)",
+                         i);
+    if (!seen.type) {
+      seen = {o, i, what};
+    } else if (*o != *seen.type) {
+      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " + std::string(element_name(*o)) +
+                             " but the " + seen.what + " output of " + describe_variable_at(tg, seen.variable) +
+                             " is " + std::string(element_name(*seen.type)) +
+                             "; all outputs of one call must have the same element type",
+                         i);
+    }
+  }
+  // A static output type is the call's output type even where nothing is written.
+  if constexpr (!dynamic_tensor<O>)
+    if (!seen.type) seen.type = element_of_type<tensor_value_t<O>>();
+}
+
 /// Finds the call's element types and checks that every present gradient has the same one
 /// (element_type_error) and every output that will be written holds it or float32 for 16-bit
 /// gradients, all outputs the same (output_error). Outputs are checked only when each range
@@ -73,107 +168,22 @@ struct call_elements {
 template <class TG, class Means, class Squares>
 call_elements validate_elements(const TG& tg, std::size_t variable_count, Means* means, Squares* squares) {
   using G = gradient_tensor_t<TG>;
-  using E = entry_t<TG>;
-  const std::size_t tower_count = std::ranges::size(tg);
+  std::optional<element_type> gradients;
+  if constexpr (dynamic_tensor<G>)
+    gradients = gradients_element(tg, variable_count);
+  else
+    gradients = element_of_type<tensor_value_t<G>>();
+  // Until a gradient is found, outputs are checked as float32 ones are (the default).
   call_elements result;
-  bool found = false;  // a present gradient
-  std::size_t first_variable = 0, first_tower = 0;
-  if constexpr (dynamic_tensor<G>) {
-    for (std::size_t i = 0; i < variable_count; ++i) {
-      std::optional<element_type> own;  // this variable's first present gradient's type
-      std::size_t own_tower = 0;
-      for (std::size_t k = 0; k < tower_count; ++k) {
-        const std::optional<element_type> t = with_entry(tg, k, i, [&](const E& e) -> std::optional<element_type> {
-          try {
-            auto&& s = entry_traits<E>::gradient(e);
-            if (!slot_present(s)) return std::nullopt;
-            return element_of(slot_get(s));
-          } catch (const error&) {
-            rethrow_located(tg, i, "gradient on tower " + std::to_string(k));
-          }
-        });
-        if (!t) continue;
-        if (!own) {
-          own = t;
-          own_tower = k;
-        }
-        if (!found) {
-          found = true;
-          result.gradients = *t;
-          first_variable = i;
-          first_tower = k;
-        } else if (*t != result.gradients) {
-          std::string message = describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) + " is " +
-                                std::string(element_name(*t)) + " but ";
-          if (*own != *t)
-            message += "on tower " + std::to_string(own_tower) + " is " + std::string(element_name(*own));
-          else
-            message += describe_variable_at(tg, first_variable) + "'s gradient on tower " +
-                       std::to_string(first_tower) + " is " + std::string(element_name(result.gradients));
-          message +=
-              "; every gradient of one call must have the same element type (convert, or average each element type "
-              "in a call of its own)";
-          throw element_type_error(message, i);
-        }
-      }
-    }
-  } else {
-    found = true;
-    result.gradients = element_of_type<tensor_value_t<G>>();
-  }
-
-  bool output_found = false;
-  std::size_t output_variable = 0;
-  const char* output_what = "means";
-  auto check_outputs = [&]<class Outputs>(Outputs& outputs, const char* what) {
-    using O = output_tensor_t<Outputs&>;
-    if (std::ranges::size(outputs) != variable_count) return;
-    for (std::size_t i = 0; i < variable_count; ++i) {
-      std::optional<element_type> o;
-      try {
-        if (!with_entry(tg, 0, i, [](const E& e) { return slot_present(entry_traits<E>::gradient(e)); })) continue;
-        auto&& s = at(outputs, i);
-        if (!slot_present(s)) continue;  // validate_into reports the null output
-        o = element_of(slot_get(s));
-      } catch (const error&) {
-        rethrow_located(tg, i, std::string("the ") + what + " output");
-      }
-      if (!output_element_allowed(result.gradients, *o))
-        throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " +
-                               std::string(element_name(*o)) + " but the gradients are " +
-                               std::string(element_name(result.gradients)) +
-                               "; outputs hold the gradients' element type (or float32 for 16-bit gradients)",
-                           i);
-      if (!output_found) {
-        output_found = true;
-        result.outputs = *o;
-        output_variable = i;
-        output_what = what;
-      } else if (*o != result.outputs) {
-        throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is " +
-                               std::string(element_name(*o)) + " but the " + output_what + " output of " +
-                               describe_variable_at(tg, output_variable) + " is " +
-                               std::string(element_name(result.outputs)) +
-                               "; all outputs of one call must have the same element type",
-                           i);
-      }
-    }
-    if constexpr (!dynamic_tensor<O>) {
-      // A static output type is the call's output type even where nothing is written.
-      if (!output_found) {
-        output_found = true;
-        result.outputs = element_of_type<tensor_value_t<O>>();
-      }
-    }
-  };
-  if constexpr (!std::is_same_v<Means, std::nullptr_t>) check_outputs(*means, "means");
-  if constexpr (!std::is_same_v<Squares, std::nullptr_t>) check_outputs(*squares, "squares");
-
-  if (!output_found) result.outputs = result.gradients;
-  if (!found) {
-    // Nothing is read: any gradient type the outputs accept.
-    result.gradients = result.outputs;
-  }
+  if (gradients) result.gradients = *gradients;
+  output_elements outputs;
+  if constexpr (!std::is_same_v<Means, std::nullptr_t>)
+    check_output_elements(tg, variable_count, *means, "means", result.gradients, outputs);
+  if constexpr (!std::is_same_v<Squares, std::nullptr_t>)
+    check_output_elements(tg, variable_count, *squares, "squares", result.gradients, outputs);
+  result.outputs = outputs.type ? *outputs.type : result.gradients;
+  // Nothing is read: any gradient type the outputs accept.
+  if (!gradients) result.gradients = result.outputs;
   return result;
 }
 

@@ -168,6 +168,8 @@ struct group_pass {
   /// f_k and c are 1, so the weighted operations are the plain ones (x * 1 is x: the same bits)
   /// and the plain ones run. stream_out: store the outputs non-temporally. prefetching: ask for
   /// each tower's data prefetch_distance bytes ahead.
+  /// One function, not split: its packet arrays must stay registers across the tower loop and
+  /// the stores, which holds only while the whole step is one inlined body.
   template <bool Unit>
   GRADAVG_INLINE_ void step(std::size_t j, [[maybe_unused]] registers& st, bool prefetching,
                             bool stream_out) const noexcept {

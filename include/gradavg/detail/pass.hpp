@@ -89,73 +89,63 @@ struct pass_source {
   static constexpr std::size_t unknown_total = std::size_t(-1);
 };
 
-/// Runs the kernel over every variable of source, summing in Acc and writing O.
-/// The elements of options.range form one flat range, split into contiguous chunks of whole
-/// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
-/// share a fork/join.
+/// One call of the pass: the call's constants (range, segments, chunks, the fused parameters),
+/// the walk of a chunk's segments, and the ordered combination of the segments' records.
 template <class S, class Acc, class O>
-pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
-                         bool with_squares, const options& opts) {
-  const byte_range* const layout = source.layout;
-  auto output_at = [](const byte_range& r) { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); };
-  auto size_of = [&source, layout](std::size_t i) {
-    if (layout != nullptr) {
-      const byte_range& g = layout[i * source.stride];
-      return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+class pass_run {
+ public:
+  pass_run(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source, bool with_squares,
+           const options& opts)
+      : variables_(variable_count),
+        towers_(tower_count),
+        source_(source),
+        layout_(source.layout),
+        with_squares_(with_squares),
+        opts_(opts),
+        fused_(fused_requested(opts)),
+        zero_nonfinite_(opts.on_nonfinite == nonfinite_policy::zero) {
+    total_ = source.total;
+    if (total_ == source.unknown_total) {
+      total_ = 0;
+      for (std::size_t i = 0; i < variables_; ++i) total_ += size_of(i);
     }
-    return source.size_of(source.context, i);
-  };
-  auto mean_ptr = [&](std::size_t i) {
-    return layout != nullptr ? output_at(layout[i * source.stride + tower_count]) : source.mean(source.context, i);
-  };
-  auto square_ptr = [&](std::size_t i) -> O* {
-    if (layout != nullptr) return with_squares ? output_at(layout[i * source.stride + tower_count + 1]) : nullptr;
-    return source.square(source.context, i);
-  };
-  std::size_t total = source.total;
-  if (total == source.unknown_total) {
-    total = 0;
-    for (std::size_t i = 0; i < variable_count; ++i) total += size_of(i);
+    range_begin_ = std::min(opts.range.begin, total_);
+    range_end_ = std::min(opts.range.end, total_);
   }
-  const std::size_t range_begin = std::min(opts.range.begin, total);
-  const std::size_t range_end = std::min(opts.range.end, total);
-  const std::size_t n = range_end - range_begin;
 
-  pass_result result;
-  result.whole_range = range_begin == 0 && range_end == total;
-  if (!result.whole_range) {
-    std::size_t offset = 0;
-    for (std::size_t i = 0; i < variable_count; ++i) {
-      const std::size_t size = size_of(i);
-      result.written += size != 0 && range_begin < range_end && offset < range_end && offset + size > range_begin ? 1 : 0;
-      offset += size;
+  /// Runs the kernel over the range (threads as options say) and returns what it found.
+  pass_result run() {
+    pass_result result;
+    result.whole_range = range_begin_ == 0 && range_end_ == total_;
+    if (!result.whole_range) result.written = variables_in_range();
+    const std::size_t n = range_end_ - range_begin_;
+    if (n == 0) return result;
+
+    double weight_sum = static_cast<double>(towers_);
+    if (!opts_.weights.empty()) {
+      weight_sum = 0;
+      for (double w : opts_.weights) weight_sum += w;
     }
-  }
-  if (n == 0) return result;
+    divisor_ = static_cast<Acc>(weight_sum);
+    // validate_options: the scale and every weight times it are representable in Acc.
+    params_ = {opts_.weights.empty() ? nullptr : opts_.weights.data(), opts_.scale, static_cast<Acc>(opts_.scale),
+               opts_.on_nonfinite != nonfinite_policy::ignore, opts_.statistics};
 
-  const bool fused = fused_requested(opts);
-  const bool zero_nonfinite = opts.on_nonfinite == nonfinite_policy::zero;
-  double weight_sum = static_cast<double>(tower_count);
-  if (!opts.weights.empty()) {
-    weight_sum = 0;
-    for (double w : opts.weights) weight_sum += w;
+    segment_ = split_granularity<Acc>();
+    while ((n + segment_ - 1) / segment_ > max_segments) segment_ *= 2;
+    segments_ = (n + segment_ - 1) / segment_;
+    // Every element of the flat range reads one value per tower and writes a mean (and a square).
+    const std::size_t bytes_per_element = towers_ * sizeof(S) + (with_squares_ ? 2 : 1) * sizeof(O);
+    const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts_), segments_);
+    prefetch_ = prefetch_pays(n, bytes_per_element);
+    stream_ = streams(opts_, n * bytes_per_element);
+    auto chunk = [&](std::size_t c) { run_segments(segments_ * c / chunks, segments_ * (c + 1) / chunks); };
+    run_chunks(chunks, chunk, opts_);
+    if (fused_) combine_records(result);
+    return result;
   }
-  const Acc divisor = static_cast<Acc>(weight_sum);
-  // validate_options: the scale and every weight times it are representable in Acc.
-  const fused_params<Acc> params{opts.weights.empty() ? nullptr : opts.weights.data(), opts.scale,
-                                 static_cast<Acc>(opts.scale), opts.on_nonfinite != nonfinite_policy::ignore,
-                                 opts.statistics};
-  const fused_params<Acc>* fused_ptr = fused ? &params : nullptr;
 
-  std::size_t segment = split_granularity<Acc>();
-  while ((n + segment - 1) / segment > max_segments) segment *= 2;
-  const std::size_t segments = (n + segment - 1) / segment;
-  // Every element of the flat range reads one value per tower and writes a mean (and a square).
-  const std::size_t bytes_per_element = tower_count * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
-  const std::size_t chunks = std::min(chunk_count(n, bytes_per_element, opts), segments);
-  const bool prefetch = prefetch_pays(n, bytes_per_element);
-  const bool stream = streams(opts, n * bytes_per_element);
-  segment_record records[max_segments];  // fused only; records[s] written by the chunk that runs s
+ private:
   struct variable_towers {
     const pass_source<S, O>* source;
     std::size_t variable;
@@ -165,34 +155,100 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
     }
   };
 
-  auto zero_outputs = [&](std::size_t i, std::size_t begin, std::size_t end) {
+  static O* output_at(const byte_range& r) noexcept { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); }
+
+  std::size_t size_of(std::size_t i) const {
+    if (layout_ != nullptr) {
+      const byte_range& g = layout_[i * source_.stride];
+      return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
+    }
+    return source_.size_of(source_.context, i);
+  }
+  O* mean_ptr(std::size_t i) const {
+    return layout_ != nullptr ? output_at(layout_[i * source_.stride + towers_]) : source_.mean(source_.context, i);
+  }
+  O* square_ptr(std::size_t i) const {
+    if (layout_ != nullptr) return with_squares_ ? output_at(layout_[i * source_.stride + towers_ + 1]) : nullptr;
+    return source_.square(source_.context, i);
+  }
+
+  /// Partial range: the variables with at least one element in it.
+  std::size_t variables_in_range() const {
+    std::size_t written = 0, offset = 0;
+    for (std::size_t i = 0; i < variables_; ++i) {
+      const std::size_t size = size_of(i);
+      written += size != 0 && range_begin_ < range_end_ && offset < range_end_ && offset + size > range_begin_ ? 1 : 0;
+      offset += size;
+    }
+    return written;
+  }
+
+  void zero_outputs(std::size_t i, std::size_t begin, std::size_t end) const {
     std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
     if (O* q = square_ptr(i)) std::fill(q + begin, q + end, O(0));
-  };
-  // A variable's combined result: zeroed when policy says, reported per variable.
-  auto finish_variable = [&](std::size_t i, piece_result& r) {
-    if (zero_nonfinite && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
-    if (!opts.per_variable.empty()) {
-      variable_statistics& out = opts.per_variable[i];
-      if (opts.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
-      if (opts.statistics) {
+  }
+
+  /// A variable's combined result: zeroed when the policy says, reported per variable.
+  void finish_variable(std::size_t i, piece_result& r) const {
+    if (zero_nonfinite_ && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
+    if (!opts_.per_variable.empty()) {
+      variable_statistics& out = opts_.per_variable[i];
+      if (opts_.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+      if (opts_.statistics) {
         out.sum_mean_squared = r.sum_mean_squared;
         out.sum_mean_of_squares = r.sum_mean_of_squares;
       }
     }
-  };
+  }
 
-  // Segments [first_segment, last_segment).
-  auto run = [&](std::size_t first_segment, std::size_t last_segment) {
-    const std::size_t first = range_begin + first_segment * segment;
+  /// Elements [begin, end) of variable i (local indices), which starts at flat index offset, in
+  /// the segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
+  void run_piece(std::size_t i, std::size_t offset, std::size_t begin, std::size_t end, std::size_t seg_begin,
+                 std::size_t seg_end, segment_record& record) const {
+    const variable_towers towers_of_i{&source_, i};
+    const tower_reader<S> reader =
+        layout_ != nullptr
+            ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout_ + i * source_.stride),
+                              sizeof(byte_range)}
+            : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
+    if (!fused_) {
+      // Nothing to read back (loading the callee's fresh stores of an empty result stalled
+      // every call of a small variable).
+      reduce_range<S, Acc>(reader, towers_, begin, end, mean_ptr(i), square_ptr(i), stream_, prefetch_, divisor_,
+                           nullptr);
+      return;
+    }
+    piece_result piece = reduce_range<S, Acc>(reader, towers_, begin, end, mean_ptr(i), square_ptr(i), stream_,
+                                              prefetch_, divisor_, &params_);
+    const std::size_t size = size_of(i);
+    const bool starts_here = offset >= seg_begin || seg_begin == range_begin_;
+    const bool ends_here = offset + size <= seg_end || seg_end == range_end_;
+    if (!starts_here) {
+      record.head_variable = i;
+      record.head_ends = ends_here;
+      record.head = piece;
+    } else if (!ends_here) {
+      record.tail_variable = i;
+      record.tail = piece;
+    } else {
+      if (zero_nonfinite_ && piece.nonfinite) zero_outputs(i, begin, end);
+      finish_variable(i, piece);
+      record.inner.add(piece);
+      record.inner_nonfinite += piece.nonfinite ? 1 : 0;
+    }
+  }
+
+  /// Segments [first_segment, last_segment): one chunk's walk over the variables they cover.
+  void run_segments(std::size_t first_segment, std::size_t last_segment) {
+    const std::size_t first = range_begin_ + first_segment * segment_;
     std::size_t i = 0, offset = 0;  // variable i begins at flat index offset
-    while (i < variable_count && offset + size_of(i) <= first) offset += size_of(i++);
+    while (i < variables_ && offset + size_of(i) <= first) offset += size_of(i++);
     for (std::size_t s = first_segment; s < last_segment; ++s) {
-      const std::size_t seg_begin = range_begin + s * segment;
-      const std::size_t seg_end = std::min(range_end, seg_begin + segment);
-      segment_record& record = records[s];
-      if (fused) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
-      while (i < variable_count && offset < seg_end) {
+      const std::size_t seg_begin = range_begin_ + s * segment_;
+      const std::size_t seg_end = std::min(range_end_, seg_begin + segment_);
+      segment_record& record = records_[s];  // written by the chunk that runs s only
+      if (fused_) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
+      while (i < variables_ && offset < seg_end) {
         const std::size_t size = size_of(i);
         if (size == 0) {
           ++i;
@@ -200,83 +256,75 @@ pass_result average_pass(std::size_t variable_count, std::size_t tower_count, co
         }
         const std::size_t begin = std::max(offset, seg_begin) - offset;
         const std::size_t end = std::min(offset + size, seg_end) - offset;
-        const variable_towers towers_of_i{&source, i};
-        const tower_reader<S> reader =
-            layout != nullptr
-                ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout + i * source.stride),
-                                  sizeof(byte_range)}
-                : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
-        if (!fused) {
-          // Nothing to read back (loading the callee's fresh stores of an empty result stalled
-          // every call of a small variable).
-          reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i), stream,
-                               prefetch, divisor, nullptr);
-        } else {
-          piece_result piece = reduce_range<S, Acc>(reader, tower_count, begin, end, mean_ptr(i), square_ptr(i),
-                                                    stream, prefetch, divisor, fused_ptr);
-          const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
-          const bool ends_here = offset + size <= seg_end || seg_end == range_end;
-          if (!starts_here) {
-            record.head_variable = i;
-            record.head_ends = ends_here;
-            record.head = piece;
-          } else if (!ends_here) {
-            record.tail_variable = i;
-            record.tail = piece;
-          } else {
-            if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
-            finish_variable(i, piece);
-            record.inner.add(piece);
-            record.inner_nonfinite += piece.nonfinite ? 1 : 0;
-          }
-        }
+        run_piece(i, offset, begin, end, seg_begin, seg_end, record);
         if (offset + size > seg_end) break;  // continues in the next segment
         offset += size;
         ++i;
       }
     }
-  };
-  auto chunk = [&](std::size_t c) { run(segments * c / chunks, segments * (c + 1) / chunks); };
-  run_chunks(chunks, chunk, opts);
-  if (!fused) return result;
-
-  // Variables over several segments, combined piece by piece in segment order; the sums over
-  // everything, variable by variable in order.
-  piece_result open{};
-  std::size_t open_variable = segment_record::none;
-  piece_result everything{};
-  for (std::size_t s = 0; s < segments; ++s) {
-    segment_record& record = records[s];
-    if (record.head_variable != segment_record::none) {
-      if (open_variable == record.head_variable) {
-        open.add(record.head);
-      } else {
-        open = record.head;
-        open_variable = record.head_variable;
-      }
-      if (record.head_ends) {
-        if (zero_nonfinite && open.nonfinite) {
-          std::size_t offset = 0;
-          for (std::size_t i = 0; i < open_variable; ++i) offset += size_of(i);
-          const std::size_t begin = std::max(offset, range_begin) - offset;
-          zero_outputs(open_variable, begin, std::min(offset + size_of(open_variable), range_end) - offset);
-        }
-        finish_variable(open_variable, open);
-        everything.add(open);
-        result.nonfinite += open.nonfinite ? 1 : 0;
-        open_variable = segment_record::none;
-      }
-    }
-    everything.add(record.inner);
-    result.nonfinite += record.inner_nonfinite;
-    if (record.tail_variable != segment_record::none) {
-      open = record.tail;
-      open_variable = record.tail_variable;
-    }
   }
-  result.sum_mean_squared = everything.sum_mean_squared;
-  result.sum_mean_of_squares = everything.sum_mean_of_squares;
-  return result;
+
+  /// Variables over several segments, combined piece by piece in segment order; the sums over
+  /// everything, variable by variable in order.
+  void combine_records(pass_result& result) const {
+    piece_result open{};
+    std::size_t open_variable = segment_record::none;
+    piece_result everything{};
+    for (std::size_t s = 0; s < segments_; ++s) {
+      const segment_record& record = records_[s];
+      if (record.head_variable != segment_record::none) {
+        if (open_variable == record.head_variable) {
+          open.add(record.head);
+        } else {
+          open = record.head;
+          open_variable = record.head_variable;
+        }
+        if (record.head_ends) {
+          if (zero_nonfinite_ && open.nonfinite) {
+            std::size_t offset = 0;
+            for (std::size_t i = 0; i < open_variable; ++i) offset += size_of(i);
+            const std::size_t begin = std::max(offset, range_begin_) - offset;
+            zero_outputs(open_variable, begin, std::min(offset + size_of(open_variable), range_end_) - offset);
+          }
+          finish_variable(open_variable, open);
+          everything.add(open);
+          result.nonfinite += open.nonfinite ? 1 : 0;
+          open_variable = segment_record::none;
+        }
+      }
+      everything.add(record.inner);
+      result.nonfinite += record.inner_nonfinite;
+      if (record.tail_variable != segment_record::none) {
+        open = record.tail;
+        open_variable = record.tail_variable;
+      }
+    }
+    result.sum_mean_squared = everything.sum_mean_squared;
+    result.sum_mean_of_squares = everything.sum_mean_of_squares;
+  }
+
+  const std::size_t variables_, towers_;
+  const pass_source<S, O>& source_;
+  const byte_range* const layout_;
+  const bool with_squares_;
+  const options& opts_;
+  const bool fused_, zero_nonfinite_;
+  std::size_t total_ = 0, range_begin_ = 0, range_end_ = 0;
+  Acc divisor_ = 1;
+  fused_params<Acc> params_{};
+  std::size_t segment_ = 0, segments_ = 0;
+  bool prefetch_ = false, stream_ = false;
+  segment_record records_[max_segments];  // fused only
+};
+
+/// Runs the kernel over every variable of source, summing in Acc and writing O.
+/// The elements of options.range form one flat range, split into contiguous chunks of whole
+/// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
+/// share a fork/join.
+template <class S, class Acc, class O>
+pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
+                         bool with_squares, const options& opts) {
+  return pass_run<S, Acc, O>(variable_count, tower_count, source, with_squares, opts).run();
 }
 
 /// average_pass for each of GRADAVG_KERNEL_INSTANCES_ (kernel.hpp; see kernels.hpp).

@@ -29,33 +29,12 @@ struct validated {
   const byte_range* layout = nullptr;  // null: the kernel reads the entries again
 };
 
-/// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
-/// contiguity, the variable), in one pass over the variables. Errors keep their precedence:
-/// towers and gradients first (variable by variable), then outputs, then overlaps. `stack` holds
-/// the layout when no cache is given and it fits; `heap` when neither holds and the full
-/// check needs it (the one allocation, documented in options.hpp).
-/// S and O: the element types the gradients are read as and the outputs written as (the traits'
-/// value_type, or the run-time type validate_elements found).
-template <class TG, class Means, class Squares, class S = default_value_t<gradient_tensor_t<TG>>,
-          class O = default_value_t<output_tensor_t<Means&>>>
-validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
-  using V = variable_t<TG>;
-  using E = entry_t<TG>;
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
-  const std::size_t variable_count = validate_tower_counts(tg);
-  const std::size_t tower_count = std::ranges::size(tg);
-
-  bool outputs_counted = std::ranges::size(means) == variable_count && (with_squares || !opts.include_square);
-  if constexpr (with_squares) outputs_counted = outputs_counted && std::ranges::size(*squares) == variable_count;
-  if (!outputs_counted) {
-    validate_towers(tg);
-    validate_all_outputs(tg, means, squares, variable_count, opts);
-  }
-
-  // Where the layout goes.
-  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
-  const std::size_t slots = variable_count * stride;
-  const bool full = opts.aliasing == alias_check::all;
+/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable): the
+/// layout cache's (remembering whether the last proved layout is repeated), the stack's when it
+/// fits, or, for the full overlap check only, a heap array (the one allocation, documented in
+/// options.hpp). slots stays null where the layout is not needed.
+inline layout_writer layout_slots(const options& opts, check_scratch& scratch, std::size_t slots,
+                                  std::size_t tower_count, bool with_squares) {
   layout_writer layout;
   if (opts.layout != nullptr) {
     auto& kept = layout_cache_access::layout(*opts.layout);
@@ -67,106 +46,155 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     layout.slots = kept.data();
   } else if (slots <= stack_ranges) {
     layout.slots = scratch.layout.data();
-  } else if (full) {
+  } else if (opts.aliasing == alias_check::all) {
     scratch.heap_layout.reset(new byte_range[slots]);
     layout.slots = scratch.heap_layout.get();
   }
+  return layout;
+}
 
+/// What the walk over the variables gathers besides the layout.
+struct variable_walk {
   validated result;
-  result.variables = variable_count;
-  bool output_problem = false;
+  bool output_problem = false;  // some output's read found a problem: the full output check names it
   std::optional<std::pair<tagged_range, tagged_range>> own_overlap;  // alias_check::same_variable
-  auto tag = [](byte_range b, std::size_t i, std::size_t k, tagged_range::kind_t kind) {
-    return tagged_range{b, i, k, kind};
+};
+
+/// Variable i's checks (towers' variables, presence, shapes, contiguity; its outputs' reads; with
+/// alias_check::same_variable its own overlaps), its ranges appended to layout. Throws the
+/// variable's error; output problems and overlaps are only recorded in walk.
+template <class S, class O, class TG, class Means, class Squares>
+void check_variable(const TG& tg, Means& means, Squares* squares, const options& opts, std::size_t i,
+                    layout_writer& layout, variable_walk& walk) {
+  using V = variable_t<TG>;
+  using E = entry_t<TG>;
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  const std::size_t tower_count = std::ranges::size(tg);
+  auto tag = [](byte_range b, std::size_t v, std::size_t k, tagged_range::kind_t kind) {
+    return tagged_range{b, v, k, kind};
   };
+  with_entry(tg, 0, i, [&](const E& e0) {
+    auto&& v0 = entry_traits<E>::variable(e0);
+    const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
+    const byte_range g0_bytes = g0.bytes();
+    output_read<O> m, q;
+    if (g0.present) {
+      m = read_output_at<TG, Means, O>(tg, means, i, "means");
+      walk.output_problem = walk.output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
+      if constexpr (with_squares) {
+        q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
+        walk.output_problem = walk.output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
+      }
+    }
+    const std::size_t elements = g0.present ? g0.dims.size() : 0;  // of each output
+    const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
+    const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
+    auto& own_overlap = walk.own_overlap;
+    const bool check_own = opts.aliasing == alias_check::same_variable && g0.present && !own_overlap;
+    auto check_own_gradient = [&](const byte_range& g, std::size_t k) {
+      if (!check_own || own_overlap) return;
+      if (m_bytes.overlaps(g) && !(k == 0 && m_bytes == g))
+        own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(g, i, k, tagged_range::gradient));
+      else if (q_bytes.overlaps(g))
+        own_overlap.emplace(tag(q_bytes, i, 0, tagged_range::squares), tag(g, i, k, tagged_range::gradient));
+    };
 
-  for (std::size_t i = 0; i < variable_count; ++i) {
-    with_entry(tg, 0, i, [&](const E& e0) {
-      auto&& v0 = entry_traits<E>::variable(e0);
-      const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
-      const byte_range g0_bytes = g0.bytes();
-      output_read<O> m, q;
-      if (g0.present) {
-        m = read_output_at<TG, Means, O>(tg, means, i, "means");
-        output_problem = output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
-        if constexpr (with_squares) {
-          q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
-          output_problem = output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
+    bool problem = !g0.contiguous;
+    std::size_t present = g0.present ? 1 : 0;
+    layout.put(g0_bytes);
+    check_own_gradient(g0_bytes, 0);
+    for (std::size_t k = 1; k < tower_count; ++k) {
+      with_entry(tg, k, i, [&](const E& ek) {
+        if constexpr (comparable_variable<V>) {
+          auto&& vk = entry_traits<E>::variable(ek);
+          if (!variable_traits<V>::same(v0, vk)) validate_variable(tg, i);  // throws the mismatch
         }
-      }
-      const std::size_t elements = g0.present ? g0.dims.size() : 0;  // of each output
-      const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
-      const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
-      const bool check_own = opts.aliasing == alias_check::same_variable && g0.present && !own_overlap;
-      auto check_own_gradient = [&](const byte_range& g, std::size_t k) {
-        if (!check_own || own_overlap) return;
-        if (m_bytes.overlaps(g) && !(k == 0 && m_bytes == g))
-          own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(g, i, k, tagged_range::gradient));
-        else if (q_bytes.overlaps(g))
-          own_overlap.emplace(tag(q_bytes, i, 0, tagged_range::squares), tag(g, i, k, tagged_range::gradient));
-      };
+        const gradient_read<S> gk = read_gradient_at<TG, S>(tg, ek, k, i);
+        present += gk.present ? 1 : 0;
+        problem = problem || (gk.present && (!(gk.dims == g0.dims) || !gk.contiguous));
+        layout.put(gk.bytes());
+        check_own_gradient(gk.bytes(), k);
+      });
+    }
+    if (present != 0 && present != tower_count) problem = true;
+    if (problem) {
+      validate_variable(tg, i);  // throws the precise error
+      throw shape_error(describe_variable_at(tg, i) + ": its gradients changed while being read", i);
+    }
+    layout.put(m_bytes);
+    if constexpr (with_squares) layout.put(q_bytes);
+    if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
+      own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
+    ++(g0.present ? walk.result.averaged : walk.result.skipped);
+    walk.result.elements += elements;
+  });
+}
 
-      bool problem = !g0.contiguous;
-      std::size_t present = g0.present ? 1 : 0;
-      layout.put(g0_bytes);
-      check_own_gradient(g0_bytes, 0);
-      for (std::size_t k = 1; k < tower_count; ++k) {
-        with_entry(tg, k, i, [&](const E& ek) {
-          if constexpr (comparable_variable<V>) {
-            auto&& vk = entry_traits<E>::variable(ek);
-            if (!variable_traits<V>::same(v0, vk)) validate_variable(tg, i);  // throws the mismatch
-          }
-          const gradient_read<S> gk = read_gradient_at<TG, S>(tg, ek, k, i);
-          present += gk.present ? 1 : 0;
-          problem = problem || (gk.present && (!(gk.dims == g0.dims) || !gk.contiguous));
-          layout.put(gk.bytes());
-          check_own_gradient(gk.bytes(), k);
-        });
-      }
-      if (present != 0 && present != tower_count) problem = true;
-      if (problem) {
-        validate_variable(tg, i);  // throws the precise error
-        throw shape_error(describe_variable_at(tg, i) + ": its gradients changed while being read", i);
-      }
-      layout.put(m_bytes);
-      if constexpr (with_squares) layout.put(q_bytes);
-      if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
-        own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
-      ++(g0.present ? result.averaged : result.skipped);
-      result.elements += g0.present ? g0.dims.size() : 0;
-    });
+/// alias_check::all on a layout not already proved: every range against every other (overlap.hpp),
+/// the sort's room from the layout cache, the stack or the heap. Throws overlap_error.
+template <class TG>
+void prove_disjoint(const TG& tg, const options& opts, check_scratch& scratch, const layout_writer& layout,
+                    std::size_t variable_count, bool with_squares) {
+  const std::size_t tower_count = std::ranges::size(tg);
+  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
+  // Room for the ranges and as many again for the radix sort, except on the stack.
+  tagged_range* tagged = scratch.tagged.data();
+  tagged_range* sort_scratch = nullptr;
+  if (opts.layout != nullptr) {
+    auto& kept = layout_cache_access::sorted(*opts.layout);
+    kept.resize(2 * slots);
+    tagged = kept.data();
+  } else if (slots > stack_ranges) {
+    scratch.heap_tagged.reset(new tagged_range[2 * slots]);
+    tagged = scratch.heap_tagged.get();
+  }
+  if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
+  check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged),
+                 sort_scratch);
+}
+
+/// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
+/// contiguity, the variable), in one pass over the variables. Errors keep their precedence:
+/// towers and gradients first (variable by variable), then outputs, then overlaps. `scratch`
+/// holds the layout when no cache is given and it fits (layout_slots).
+/// S and O: the element types the gradients are read as and the outputs written as (the traits'
+/// value_type, or the run-time type validate_elements found).
+template <class TG, class Means, class Squares, class S = default_value_t<gradient_tensor_t<TG>>,
+          class O = default_value_t<output_tensor_t<Means&>>>
+validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
+  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  const std::size_t variable_count = validate_tower_counts(tg);
+  const std::size_t tower_count = std::ranges::size(tg);
+
+  bool outputs_counted = std::ranges::size(means) == variable_count && (with_squares || !opts.include_square);
+  if constexpr (with_squares) outputs_counted = outputs_counted && std::ranges::size(*squares) == variable_count;
+  if (!outputs_counted) {
+    validate_towers(tg);
+    validate_all_outputs(tg, means, squares, variable_count, opts);
   }
 
-  if (output_problem) {
+  const bool full = opts.aliasing == alias_check::all;
+  layout_writer layout =
+      layout_slots(opts, scratch, variable_count * (tower_count + (with_squares ? 2 : 1)), tower_count, with_squares);
+  variable_walk walk;
+  walk.result.variables = variable_count;
+  for (std::size_t i = 0; i < variable_count; ++i)
+    check_variable<S, O>(tg, means, squares, opts, i, layout, walk);
+
+  if (walk.output_problem) {
     validate_all_outputs(tg, means, squares, variable_count, opts);
     throw output_error("gradavg: an output changed while being read");
   }
-  if (own_overlap) throw_overlap(tg, own_overlap->first, own_overlap->second);
-
-  if (full && !layout.same) {
-    // Room for the ranges and as many again for the radix sort, except on the stack.
-    tagged_range* tagged = scratch.tagged.data();
-    tagged_range* sort_scratch = nullptr;
-    if (opts.layout != nullptr) {
-      auto& kept = layout_cache_access::sorted(*opts.layout);
-      kept.resize(2 * slots);
-      tagged = kept.data();
-    } else if (slots > stack_ranges) {
-      scratch.heap_tagged.reset(new tagged_range[2 * slots]);
-      tagged = scratch.heap_tagged.get();
-    }
-    if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
-    check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged),
-                   sort_scratch);
-  }
+  if (walk.own_overlap) throw_overlap(tg, walk.own_overlap->first, walk.own_overlap->second);
+  if (full && !layout.same) prove_disjoint(tg, opts, scratch, layout, variable_count, with_squares);
   if (opts.layout != nullptr) {
     // Remembered as proved only for the full check: a cache hit skips it.
     layout_cache_access::towers(*opts.layout) = tower_count;
     layout_cache_access::squares(*opts.layout) = with_squares;
     layout_cache_access::proved(*opts.layout) = full;
   }
-  result.layout = layout.slots;
-  return result;
+  walk.result.layout = layout.slots;
+  return walk.result;
 }
 
 }  // namespace detail
