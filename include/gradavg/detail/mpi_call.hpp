@@ -127,14 +127,9 @@ struct call : data_path<TG, Means, Squares, S, O> {
               work.words.data() + headers + variable_word_count());
   }
 
-  /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
-  /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
-  /// [variable words (V * variable_words)] [their reduction] [sizes, offsets (2V)]
-  /// [error records (P + 1) * record_words]: sized here, so that no collective of the call needs
-  /// an allocation. The failure, if any: this rank's own error, with the variable it names in
-  /// *failed_variable (error::npos when none).
-  std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header, std::size_t* failed_variable) {
-    *failed_variable = error::npos;
+  /// This rank's header words (what every rank must pass alike), before any check: a rank whose
+  /// checks fail still takes part in the agreement with them. h_variables: 0 until counted.
+  void fill_header(std::uint64_t* header) const {
     header[h_towers] = std::ranges::size(tg);
     header[h_variables] = 0;
     header[h_squares] = with_squares;
@@ -156,6 +151,46 @@ struct call : data_path<TG, Means, Squares, S, O> {
     header[h_weight_sum] = double_to_bits(weight_sum);
     header[h_weighted_towers] =
         opts.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.weights);
+  }
+
+  /// This rank's per-variable words (presence state, identity and shape fingerprints, each with
+  /// its complement for the minimum) in work.words after the headers. Returns whether any
+  /// gradient is present.
+  bool fill_variable_words() {
+    std::uint64_t* w = work.words.data() + ranks * header_words;
+    bool any_present = false;
+    for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
+      std::size_t present = 0;
+      shape s{};
+      for (std::size_t k = 0; k < towers; ++k) {
+        const auto g = gradavg::detail::read_gradient(tg, k, i);
+        if (g.present && present++ == 0) s = g.dims;
+      }
+      any_present = any_present || present != 0;
+      const std::uint64_t state = present == 0 ? absent_everywhere : present == towers ? present_everywhere : partial;
+      const std::uint64_t id = gradavg::detail::with_entry(tg, 0, i, [](const auto& e) {
+        return identity_fingerprint(gradavg::entry_traits<std::remove_cvref_t<decltype(e)>>::variable(e));
+      });
+      const std::uint64_t sh = present ? shape_fingerprint(s) : 0;
+      w[v_state] = state;
+      w[v_state_min] = ~state;
+      w[v_identity] = id;
+      w[v_identity_min] = id == 0 ? 0 : ~id;
+      w[v_shape] = sh;
+      w[v_shape_min] = sh == 0 ? 0 : ~sh;
+    }
+    return any_present;
+  }
+
+  /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
+  /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
+  /// [variable words (V * variable_words)] [their reduction] [sizes, offsets (2V)]
+  /// [error records (P + 1) * record_words]: sized here, so that no collective of the call needs
+  /// an allocation. The failure, if any: this rank's own error, with the variable it names in
+  /// *failed_variable (error::npos when none).
+  std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header, std::size_t* failed_variable) {
+    *failed_variable = error::npos;
+    fill_header(header);
     std::exception_ptr failure = prior;
     if (!failure) {
       try {
@@ -194,28 +229,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
                                             opts.aliasing);
           gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
         }
-        std::uint64_t* w = work.words.data() + ranks * header_words;
-        bool any_present = false;
-        for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
-          std::size_t present = 0;
-          shape s{};
-          for (std::size_t k = 0; k < towers; ++k) {
-            const auto g = gradavg::detail::read_gradient(tg, k, i);
-            if (g.present && present++ == 0) s = g.dims;
-          }
-          any_present = any_present || present != 0;
-          const std::uint64_t state = present == 0 ? absent_everywhere : present == towers ? present_everywhere : partial;
-          const std::uint64_t id = gradavg::detail::with_entry(tg, 0, i, [](const auto& e) {
-            return identity_fingerprint(gradavg::entry_traits<std::remove_cvref_t<decltype(e)>>::variable(e));
-          });
-          const std::uint64_t sh = present ? shape_fingerprint(s) : 0;
-          w[v_state] = state;
-          w[v_state_min] = ~state;
-          w[v_identity] = id;
-          w[v_identity_min] = id == 0 ? 0 : ~id;
-          w[v_shape] = sh;
-          w[v_shape_min] = sh == 0 ? 0 : ~sh;
-        }
+        const bool any_present = fill_variable_words();
         // A rank that reads no gradient moves no data: its element types (run-time ones are only
         // known from a gradient) are not compared; the presence check decides.
         if (!any_present) header[h_types] = 0;
@@ -284,19 +298,6 @@ struct call : data_path<TG, Means, Squares, S, O> {
                          "the accumulator type); one rank's may be 0");
   }
 
-  /// The first variable whose words disagree, and how: 0 none, 1 identity, 2 presence, 3 shape.
-  static std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduced, std::size_t count) {
-    for (std::size_t i = 0; i < count; ++i) {
-      const std::uint64_t* w = reduced + i * variable_words;
-      const std::uint64_t id_max = w[v_identity], id_min = ~w[v_identity_min];
-      if (id_max != 0 && w[v_identity_min] != 0 && id_max != id_min) return {i, 1};
-      const std::uint64_t st_max = w[v_state], st_min = ~w[v_state_min];
-      if (st_max != st_min || st_max == partial) return {i, 2};
-      if (st_max == present_everywhere && w[v_shape] != ~w[v_shape_min]) return {i, 3};
-    }
-    return {count, 0};
-  }
-
   /// Gathers every rank's record of variable i and throws the error of kind `how`.
   [[noreturn]] void throw_variable_error(std::size_t i, int how) {
     // This rank's record, then every rank's, in the space local_checks reserved: the gather
@@ -331,54 +332,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
     mine[r_rank_dims + 1 + shape::max_rank] = static_cast<std::uint64_t>(s.order);
     check(MPI_Allgather(mine, record_words, MPI_UINT64_T, all, record_words, MPI_UINT64_T, comm), "MPI_Allgather");
     if (reading) std::rethrow_exception(reading);
-    auto rec = [&](int r) { return all + static_cast<std::size_t>(r) * record_words; };
-    auto shape_of = [&](int r) {
-      shape t{};
-      t.rank = rec(r)[r_rank_dims];
-      for (std::size_t d = 0; d < t.rank; ++d) t.dims[d] = static_cast<std::int64_t>(rec(r)[r_rank_dims + 1 + d]);
-      t.order = static_cast<storage_order>(rec(r)[r_rank_dims + 1 + shape::max_rank]);
-      return t;
-    };
-    const std::string name = describe_variable_at(tg, i);
-    if (how == 1) {
-      const rank_split d = split_ranks(
-          ranks, [&](int r) { return rec(r)[r_identity]; }, [](int) { return true; });
-      throw variable_mismatch_error(name + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "has", "have") +
-                                        " a different variable at this position than " + rank_list(d.common) +
-                                        "; every rank must list "
-                                        "the same variables in the same order",
-                                    i);
-    }
-    if (how == 2) {
-      std::string missing, holding;
-      std::size_t total = 0, total_present = 0;
-      for (int r = 0; r < ranks; ++r) {
-        const std::uint64_t* x = rec(r);
-        total += x[r_towers];
-        total_present += x[r_present];
-        if (x[r_present] == x[r_towers]) {
-          holding += (holding.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r);
-          continue;
-        }
-        std::size_t absent = x[r_towers] - x[r_present];
-        std::size_t shown = std::min<std::size_t>(absent, r_missing_listed - r_missing);
-        std::vector<std::size_t> ks(x + r_missing, x + r_missing + shown);
-        missing += (missing.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " (tower" +
-                   (absent > 1 ? "s " : " ") + describe_towers(ks.data(), shown, absent) + " of " +
-                   std::to_string(x[r_towers]) + ")";
-      }
-      throw missing_gradient_error(name + ": gradient missing on " + missing + " but present on " +
-                                       (holding.empty() ? std::string("the other towers") : holding) + " (" +
-                                       std::to_string(total_present) + " of " + std::to_string(total) +
-                                       " towers in all); a gradient must be present on every tower of every rank or on none",
-                                   i);
-    }
-    const rank_split d = split_ranks(
-        ranks, [&](int r) { return rec(r)[r_shape]; }, [&](int r) { return rec(r)[r_state] == present_everywhere; });
-    throw shape_error(name + ": gradient has shape " + describe_shape(shape_of(d.odd.front())) + " on " +
-                          rank_list(d.odd) + " but shape " + describe_shape(shape_of(d.common.front())) + " on " +
-                          rank_list(d.common),
-                      i);
+    throw_variable_disagreement(describe_variable_at(tg, i), i, how, all, ranks);
   }
 
   /// The call, in phases: local (validation, tables, buffers: everything that can throw before

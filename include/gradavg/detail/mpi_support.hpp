@@ -196,6 +196,72 @@ inline std::uint64_t double_to_bits(double d) noexcept {
   return u;
 }
 
+/// The first variable whose words disagree, and how: 0 none, 1 identity, 2 presence, 3 shape.
+inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduced, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::uint64_t* w = reduced + i * variable_words;
+    const std::uint64_t id_max = w[v_identity], id_min = ~w[v_identity_min];
+    if (id_max != 0 && w[v_identity_min] != 0 && id_max != id_min) return {i, 1};
+    const std::uint64_t st_max = w[v_state], st_min = ~w[v_state_min];
+    if (st_max != st_min || st_max == partial) return {i, 2};
+    if (st_max == present_everywhere && w[v_shape] != ~w[v_shape_min]) return {i, 3};
+  }
+  return {count, 0};
+}
+
+/// Throws the error of kind `how` (first_disagreement) about variable i, named `name`, from every
+/// rank's record of it (all: ranks records of record_words each), the same on every rank.
+[[noreturn]] inline void throw_variable_disagreement(const std::string& name, std::size_t i, int how,
+                                                     const std::uint64_t* all, int ranks) {
+  auto rec = [&](int r) { return all + static_cast<std::size_t>(r) * record_words; };
+  auto shape_of = [&](int r) {
+    shape t{};
+    t.rank = rec(r)[r_rank_dims];
+    for (std::size_t d = 0; d < t.rank; ++d) t.dims[d] = static_cast<std::int64_t>(rec(r)[r_rank_dims + 1 + d]);
+    t.order = static_cast<storage_order>(rec(r)[r_rank_dims + 1 + shape::max_rank]);
+    return t;
+  };
+  if (how == 1) {
+    const rank_split d = split_ranks(
+        ranks, [&](int r) { return rec(r)[r_identity]; }, [](int) { return true; });
+    throw variable_mismatch_error(name + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "has", "have") +
+                                      " a different variable at this position than " + rank_list(d.common) +
+                                      "; every rank must list "
+                                      "the same variables in the same order",
+                                  i);
+  }
+  if (how == 2) {
+    std::string missing, holding;
+    std::size_t total = 0, total_present = 0;
+    for (int r = 0; r < ranks; ++r) {
+      const std::uint64_t* x = rec(r);
+      total += x[r_towers];
+      total_present += x[r_present];
+      if (x[r_present] == x[r_towers]) {
+        holding += (holding.empty() ? "" : ", ") + std::string("rank ") + std::to_string(r);
+        continue;
+      }
+      std::size_t absent = x[r_towers] - x[r_present];
+      std::size_t shown = std::min<std::size_t>(absent, r_missing_listed - r_missing);
+      std::vector<std::size_t> ks(x + r_missing, x + r_missing + shown);
+      missing += (missing.empty() ? "" : "; ") + std::string("rank ") + std::to_string(r) + " (tower" +
+                 (absent > 1 ? "s " : " ") + describe_towers(ks.data(), shown, absent) + " of " +
+                 std::to_string(x[r_towers]) + ")";
+    }
+    throw missing_gradient_error(name + ": gradient missing on " + missing + " but present on " +
+                                     (holding.empty() ? std::string("the other towers") : holding) + " (" +
+                                     std::to_string(total_present) + " of " + std::to_string(total) +
+                                     " towers in all); a gradient must be present on every tower of every rank or on none",
+                                 i);
+  }
+  const rank_split d = split_ranks(
+      ranks, [&](int r) { return rec(r)[r_shape]; }, [&](int r) { return rec(r)[r_state] == present_everywhere; });
+  throw shape_error(name + ": gradient has shape " + describe_shape(shape_of(d.odd.front())) + " on " +
+                        rank_list(d.odd) + " but shape " + describe_shape(shape_of(d.common.front())) + " on " +
+                        rank_list(d.common),
+                    i);
+}
+
 }  // namespace mpi_detail
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi
