@@ -14,6 +14,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -259,6 +260,31 @@ TEST_CASE("the level can be forced down and reset, never up past the CPU") {
   gradavg::reset_simd_level();
   const char* environment = std::getenv("GRADAVG_ISA");
   if (environment == nullptr) CHECK(gradavg::simd_level_in_use() == cpu);
+}
+
+// A name declared in the level's inline namespace carries it in its mangled name (the typeid
+// name on GCC and Clang): units built for other levels then see other types.
+namespace {
+bool in_level_namespace(const std::type_info& type) {
+  return std::string(type.name()).find(gradavg::isa_namespace) != std::string::npos;
+}
+}  // namespace
+
+TEST_CASE("the vocabulary is one set of types for every level; the code is per level") {
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::options)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::summary)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::plan)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::layout_cache)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::shape)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::element_type)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::simd_level)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::tensor_traits<std::vector<float>>)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::entry_traits<std::pair<std::vector<float>, int>>)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::variable_statistics)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::thread_pool)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::shape_error)));
+  // The check can fail: the kernel's types are the level's.
+  CHECK(in_level_namespace(typeid(gradavg::detail::fused_params<float>)));
 }
 
 TEST_CASE("GRADAVG_ISA lowers the level of a process", "[.environment]") {

@@ -3,6 +3,7 @@
 // CUDA tensors cannot be tested on a machine without a GPU: the device check is tested with
 // tensors on the meta device, which takes the same branch.
 #include <gradavg/torch.hpp>
+#include <gradavg/torch_data_parallel.hpp>
 
 #include <torch/torch.h>
 
@@ -14,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <typeinfo>
 #include <utility>
 #include <vector>
 
@@ -973,4 +975,16 @@ TEST_CASE("a bfloat16 body and a float head: the means of squares of each dtype"
   }
   CHECK(b == 2);
   CHECK(h == 2);
+}
+
+// A name declared in the level's inline namespace carries it in its mangled name (the typeid name
+// on GCC and Clang).
+TEST_CASE("libtorch: the options and report are one type for every level; data_parallel is per level", "[torch]") {
+  auto in_level_namespace = [](const std::type_info& type) {
+    return std::string(type.name()).find(gradavg::isa_namespace) != std::string::npos;
+  };
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::libtorch::module_options)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::libtorch::module_report)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::libtorch::mean_target)));
+  CHECK(in_level_namespace(typeid(gradavg::libtorch::data_parallel)));
 }

@@ -21,9 +21,8 @@
 #include "torch_tensor.hpp"
 #include "torch_types.hpp"
 
-namespace gradavg {
+namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch {
 
 /// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
 /// the batch, on its own thread) into replica 0's .grad() tensors, in place, and copies the result
@@ -122,6 +121,5 @@ void broadcast_parameters(const R& replicas, const options& opts = {}) {
   broadcast_parameters(std::span<::torch::nn::Module* const>(modules), opts);
 }
 
-}  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch

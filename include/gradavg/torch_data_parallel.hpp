@@ -31,9 +31,7 @@
 #include "detail/torch_buckets.hpp"
 #include "torch.hpp"
 
-namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch {
+namespace gradavg::libtorch {
 
 /// How data_parallel groups parameters into buckets.
 struct bucket_options {
@@ -43,6 +41,8 @@ struct bucket_options {
   /// sooner after their gradients are produced; larger ones cost fewer calls.
   std::size_t bytes = std::size_t{1} << 20;
 };
+
+GRADAVG_BEGIN_ISA_NAMESPACE
 
 /// Averages the gradients of K replicas of one model while their backward passes run, with the
 /// results of average_module_gradients(replicas, opts, mopts), bit for bit, in every replica's
@@ -509,6 +509,5 @@ class data_parallel {
   scratch worker_scratch_, caller_scratch_;
 };
 
-}  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch

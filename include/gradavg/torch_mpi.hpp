@@ -18,9 +18,8 @@
 #include "torch.hpp"
 #include "torch_data_parallel.hpp"
 
-namespace gradavg {
+namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch {
 namespace detail {
 
 /// Makes the replicas' presence that of every replica of every rank of comm: one MPI_Allreduce of
@@ -274,6 +273,5 @@ class mpi_data_parallel final : public data_parallel {
   }
 };
 
-}  // namespace libtorch
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch

@@ -7,12 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "detail/isa.hpp"
 #include "statistics.hpp"
 
-namespace gradavg {
-GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch {
+namespace gradavg::libtorch {
 
 /// Which replicas' .grad() tensors the module helpers write the means into.
 enum class mean_target : std::uint8_t {
@@ -55,6 +52,4 @@ struct module_report {
   std::vector<at::Tensor> squares;
 };
 
-}  // namespace libtorch
-GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch

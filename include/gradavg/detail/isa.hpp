@@ -10,9 +10,10 @@
 // differ per level, so units of different levels link into one program safely.
 //
 // Outside it, shared by all levels of one program: the exceptions (errors.hpp: a catch clause in
-// one unit must catch what another throws), options, and the executor interface with
-// thread_pool (executor.hpp: a pool made in one unit serves calls from any other). They hold no
-// element arithmetic.
+// one unit must catch what another throws), the vocabulary types (tensor.hpp, entry.hpp's
+// traits, options, results, gradavg::mpi's options and workspace, gradavg::libtorch's options and
+// report), and the executor interface with thread_pool (executor.hpp: a pool made in one unit
+// serves calls from any other). They hold no element arithmetic.
 #pragma once
 
 #include <Eigen/Core>

@@ -17,9 +17,9 @@
 #include "isa.hpp"
 #include "torch_replicas.hpp"
 
-namespace gradavg {
+namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch::detail {
+namespace detail {
 
 /// option_error for the options that span every parameter in one pass (include_square,
 /// per_variable, range) and for options.layout: buckets are calls over parts of the parameters.
@@ -120,6 +120,6 @@ inline module_report merged_report(const std::vector<const module_report*>& repo
   return all;
 }
 
-}  // namespace libtorch::detail
+}  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch

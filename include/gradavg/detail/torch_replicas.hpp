@@ -28,9 +28,9 @@
 #include "../torch_types.hpp"
 #include "isa.hpp"
 
-namespace gradavg {
+namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace libtorch::detail {
+namespace detail {
 
 /// The module behind a Module*, a std::shared_ptr<Module> or a ModuleHolder (torch::nn::Linear).
 template <class M>
@@ -484,6 +484,6 @@ std::vector<::torch::nn::Module*> modules_of(const R& replicas) {
   return modules;
 }
 
-}  // namespace libtorch::detail
+}  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace gradavg
+}  // namespace gradavg::libtorch
