@@ -17,8 +17,9 @@
 // time over which the bandwidth drifts.
 //
 // Names (run_grid.py parses them):
-//   paired/<type>/T:<T>/P:<P>/threads:<n>          P in {64Ki, 16Mi}; T in {2,4,8,16} for
-//                                                  float, 8 for double
+//   paired/<type>/T:<T>/P:<P>/threads:<n>          P in {64Ki, 16Mi}; T in {2,4,8,16,32}
+//                                                  for float (32: the accumulator-block path),
+//                                                  8 for double
 //   paired_model/<model>/float/T:<T>/threads:<n>   T in {4, 8}
 // Flags (before Google Benchmark's own): --paired_rounds=N (default 11; model points run 3N).
 #include <memory>
@@ -175,7 +176,7 @@ int main(int argc, char** argv) {
   const std::size_t rounds = take_count_flag(argc, argv, "--paired_rounds=", 11);
   const std::vector<int> threads = thread_counts();  // 1 and all cores
   const std::vector<std::size_t> sizes{std::size_t{1} << 16, std::size_t{1} << 24};
-  register_points<float>({2, 4, 8, 16}, sizes, threads, rounds);
+  register_points<float>({2, 4, 8, 16, 32}, sizes, threads, rounds);
   register_points<double>({8}, sizes, threads, rounds);
 
   static const model_shapes models[] = {resnet50_shapes(), bert_base_shapes()};
