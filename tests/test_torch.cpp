@@ -979,7 +979,7 @@ TEST_CASE("a bfloat16 body and a float head: the means of squares of each dtype"
 
 // A name declared in the level's inline namespace carries it in its mangled name (the typeid name
 // on GCC and Clang).
-TEST_CASE("libtorch: the options and report are one type for every level; data_parallel is per level", "[torch]") {
+TEST_CASE("libtorch: the options and report are one type for every level, data_parallel one per level", "[torch]") {
   auto in_level_namespace = [](const std::type_info& type) {
     return std::string(type.name()).find(gradavg::isa_namespace) != std::string::npos;
   };
