@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../average.hpp"
+#include "mpi_slices.hpp"
 #include "mpi_support.hpp"
 
 namespace gradavg {
@@ -38,13 +39,8 @@ struct data_path {
   workspace_detail::buffers& work;
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
-  // The first MPI call of the data path that returned an error: thrown after the last collective
-  // (throwing at once would leave the other ranks waiting for this rank's messages).
-  const char* failed_mpi_call = nullptr;
-  int failed_mpi_code = MPI_SUCCESS;
-  void note(int rc, const char* function) noexcept {
-    if (rc != MPI_SUCCESS && failed_mpi_call == nullptr) failed_mpi_call = function, failed_mpi_code = rc;
-  }
+  first_mpi_failure failed{};
+  void note(int rc, const char* function) noexcept { failed.note(rc, function); }
 
   /// The divisor: every rank's weight sum from the gathered headers, added in rank order (the same
   /// value on every rank, checked in agreement and used by the data path).
@@ -66,13 +62,7 @@ struct data_path {
     }
   };
 
-  struct bucket_set {
-    Buf* local = nullptr;  // the fusion buffer, then the gathered sums
-    Buf* recv = nullptr;   // the other ranks' contributions to this rank's slice, in rank order
-    MPI_Request* requests = nullptr;  // 2 (P - 1): a receive and a send per other rank
-    int* counts = nullptr;            // 4 P: exchange_method::collectives' counts and displacements
-    int pending = 0;                  // requests in use
-  };
+  using bucket_set = slice_buffers<Buf>;
 
   // ---- Preparation: every table and buffer the data path uses, before any collective. ----
 
@@ -177,15 +167,13 @@ struct data_path {
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
   /// options.exchange: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in
-  /// bucket_set::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
+  /// slice_buffers::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
   bool collectives() const noexcept { return opts.exchange == mpi::exchange_method::collectives; }
+  /// How this rank moves a bucket's slices (mpi_slices.hpp).
+  slice_exchange<Buf> slices() noexcept { return {comm, rank, ranks, collectives(), failed}; }
   /// Variable i's element count and first flat element (prepare()'s table).
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
   std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
-  std::size_t slice_begin(std::size_t len, int r) const noexcept {
-    return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks);
-  }
-  static int bytes_of(std::size_t elements) noexcept { return static_cast<int>(elements * sizeof(Buf)); }
 
   /// Bucket b (buckets are shaped in order: walk_variable only moves forward).
   bucket_shape shape_of_bucket(std::size_t b) {
@@ -265,97 +253,8 @@ struct data_path {
     gradavg::detail::run_chunks(chunks, chunk, opts);
   }
 
-  /// Waits for the bucket's requests in flight.
-  void wait_all(bucket_set& bs) {
-    if (bs.pending != 0) note(MPI_Waitall(bs.pending, bs.requests, MPI_STATUSES_IGNORE), "MPI_Waitall");
-    bs.pending = 0;
-  }
 
-  /// Sends every other rank its slice of the bucket; receives theirs of this rank's slice.
-  void start_exchange(const bucket_shape& sh, bucket_set& bs) {
-    const std::size_t mine = slice_begin(sh.len, rank + 1) - slice_begin(sh.len, rank);
-    bs.pending = 0;
-    if (collectives()) {
-      // Nothing to or from this rank itself; the others' contributions in rank order in recv.
-      int* send_counts = bs.counts;
-      int* send_displs = bs.counts + ranks;
-      int* recv_counts = bs.counts + 2 * ranks;
-      int* recv_displs = bs.counts + 3 * ranks;
-      for (int r = 0; r < ranks; ++r) {
-        const std::size_t first = slice_begin(sh.len, r);
-        send_counts[r] = r == rank ? 0 : bytes_of(slice_begin(sh.len, r + 1) - first);
-        send_displs[r] = bytes_of(first);
-        recv_counts[r] = r == rank ? 0 : bytes_of(mine);
-        recv_displs[r] = r == rank ? 0 : bytes_of(static_cast<std::size_t>(r < rank ? r : r - 1) * mine);
-      }
-      note(MPI_Ialltoallv(bs.local, send_counts, send_displs, MPI_BYTE, bs.recv, recv_counts, recv_displs,
-                          MPI_BYTE, comm, &bs.requests[bs.pending++]),
-           "MPI_Ialltoallv");
-      return;
-    }
-    for (int r = 0, slot = 0; r < ranks; ++r) {
-      if (r == rank) continue;
-      note(MPI_Irecv(bs.recv + static_cast<std::size_t>(slot++) * mine, bytes_of(mine), MPI_BYTE, r, exchange_tag,
-                     comm, &bs.requests[bs.pending++]),
-           "MPI_Irecv");
-    }
-    for (int r = 0; r < ranks; ++r) {
-      if (r == rank) continue;
-      const std::size_t first = slice_begin(sh.len, r);
-      note(MPI_Isend(bs.local + first, bytes_of(slice_begin(sh.len, r + 1) - first), MPI_BYTE, r, exchange_tag,
-                     comm, &bs.requests[bs.pending++]),
-           "MPI_Isend");
-    }
-  }
 
-  /// Waits for the contributions, sums them in rank order into this rank's slice of the buffer
-  /// (its own contribution is there already), and starts sending the sum to every other rank
-  /// and receiving theirs.
-  void reduce_and_gather(const bucket_shape& sh, bucket_set& bs) {
-    wait_all(bs);
-    const std::size_t first = slice_begin(sh.len, rank);
-    const std::size_t mine = slice_begin(sh.len, rank + 1) - first;
-    Buf* out = bs.local + first;
-    // The contribution of another rank r, in recv.
-    auto from = [&](int r) { return bs.recv + static_cast<std::size_t>(r < rank ? r : r - 1) * mine; };
-    constexpr std::size_t block = 512;  // elements summed over every rank at a time (in L1)
-    Buf own[block];                      // this rank's contribution, kept aside while out is rewritten
-    for (std::size_t j0 = 0; j0 < mine; j0 += block) {
-      const std::size_t n = std::min(block, mine - j0);
-      Buf* o = out + j0;
-      if (rank != 0) {
-        std::copy(o, o + n, own);
-        const Buf* in = from(0) + j0;
-        std::copy(in, in + n, o);
-      }
-      for (int r = 1; r < ranks; ++r) {
-        const Buf* in = r == rank ? own : from(r) + j0;
-        for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
-      }
-    }
-    if (collectives()) {
-      int* counts = bs.counts;
-      int* displs = bs.counts + ranks;
-      for (int r = 0; r < ranks; ++r) {
-        counts[r] = bytes_of(slice_begin(sh.len, r + 1) - slice_begin(sh.len, r));
-        displs[r] = bytes_of(slice_begin(sh.len, r));
-      }
-      note(MPI_Iallgatherv(MPI_IN_PLACE, 0, MPI_BYTE, bs.local, counts, displs, MPI_BYTE, comm,
-                           &bs.requests[bs.pending++]),
-           "MPI_Iallgatherv");
-      return;
-    }
-    for (int r = 0; r < ranks; ++r) {
-      if (r == rank) continue;
-      const std::size_t at = slice_begin(sh.len, r);
-      note(MPI_Irecv(bs.local + at, bytes_of(slice_begin(sh.len, r + 1) - at), MPI_BYTE, r, gather_tag, comm,
-                     &bs.requests[bs.pending++]),
-           "MPI_Irecv");
-    }
-    for (int r = 0; r < ranks; ++r)
-      if (r != rank)
-        note(MPI_Isend(out, bytes_of(mine), MPI_BYTE, r, gather_tag, comm, &bs.requests[bs.pending++]), "MPI_Isend");
-  }
 
   /// A variable whose last element in the range has been written: zeroed when the policy says,
   /// reported.
@@ -387,7 +286,7 @@ struct data_path {
   /// whose last element it holds.
   template <class Acc>
   void unpack(const bucket_shape& sh, bucket_set& bs) {
-    wait_all(bs);
+    slices().wait_all(bs);
     const Acc divisor = static_cast<Acc>(weight_sum);
     bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
     const std::size_t elements = sh.end - sh.begin;
@@ -500,18 +399,18 @@ struct data_path {
           }
         }
         if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
-        start_exchange(shapes[b % 3], bs);
+        slices().start(shapes[b % 3].len, bs);
       }
       if (b >= 1 && b - 1 < buckets) {
         bucket_set& bs = set[(b - 1) % 3];
-        reduce_and_gather(shapes[(b - 1) % 3], bs);
+        slices().reduce_and_gather(shapes[(b - 1) % 3].len, bs);
       }
       if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3]);
     }
     // The last collective: the lowest rank whose kernel failed, if any.
     int failed_rank = failure ? rank : ranks;
     check(MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
-    if (failed_mpi_call != nullptr) check(failed_mpi_code, failed_mpi_call);
+    if (failed.call != nullptr) check(failed.code, failed.call);
     if (failure) std::rethrow_exception(failure);
     if (failed_rank < ranks)
       throw remote_error("gradavg::mpi: rank " + std::to_string(failed_rank) +
