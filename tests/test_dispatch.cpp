@@ -270,7 +270,7 @@ bool in_level_namespace(const std::type_info& type) {
 }
 }  // namespace
 
-TEST_CASE("the vocabulary is one set of types for every level; the code is per level") {
+TEST_CASE("the vocabulary is one set of types for every level, the code one per level") {
   CHECK_FALSE(in_level_namespace(typeid(gradavg::options)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::summary)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::plan)));
