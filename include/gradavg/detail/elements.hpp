@@ -13,6 +13,7 @@
 #include "kernel.hpp"
 #include "validate.hpp"
 #include "../errors.hpp"
+#include "../statistics.hpp"
 #include "../tensor.hpp"
 
 namespace gradavg {
@@ -185,6 +186,44 @@ call_elements validate_elements(const TG& tg, std::size_t variable_count, Means*
   // Nothing is read: any gradient type the outputs accept.
   if (!gradients) result.gradients = result.outputs;
   return result;
+}
+
+[[noreturn]] inline void throw_output_element(element_type gradients, element_type outputs) {
+  throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
+                     std::string(element_name(gradients)) +
+                     "; outputs hold the gradients' element type (or float32 for 16-bit gradients)");
+}
+
+/// Calls f.template operator()<S, O>() (returning a summary) with the gradients' element type S
+/// and the outputs' O of a call over tensor types G and OT, from e for dynamic tensors (e: what
+/// validate_elements found; types_known false when it threw, so e holds nothing). A pair the
+/// kernel does not have (validate_elements rejects each first): throws output_error, or, where
+/// every process must still take part in the call (Agree), runs the outputs' type's kernel.
+template <class G, class OT, bool Agree, class F>
+summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
+  auto with_gradients = [&]<class S>() -> summary {
+    if constexpr (dynamic_tensor<OT>) {
+      if (types_known && e.outputs != e.gradients) {
+        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+          return f.template operator()<S, float>();
+        else if constexpr (!Agree)
+          throw_output_element(e.gradients, e.outputs);
+      }
+      return f.template operator()<S, S>();
+    } else {
+      using O = tensor_value_t<OT>;
+      if constexpr (supported_output<S, O>)
+        return f.template operator()<S, O>();
+      else if constexpr (Agree)
+        return f.template operator()<O, O>();
+      else
+        throw_output_element(e.gradients, e.outputs);
+    }
+  };
+  if constexpr (dynamic_tensor<G>)
+    return with_element(e.gradients, with_gradients);
+  else
+    return with_gradients.template operator()<tensor_value_t<G>>();
 }
 
 }  // namespace detail

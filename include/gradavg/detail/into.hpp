@@ -23,18 +23,6 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// The pass over a layout validation proved (variable i's buffers at layout[i * stride], stride
-/// = towers + 1, + 2 with squares), and the call's summary.
-template <class S, class O>
-summary average_layout(const byte_range* layout, std::size_t variables, std::size_t towers, bool with_squares,
-                       std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
-  const std::size_t stride = towers + (with_squares ? 2 : 1);
-  const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, layout, stride, elements};
-  const pass_result pass = with_accumulator<S>(
-      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, source, with_squares, opts); });
-  return make_summary(averaged, skipped, towers, pass, opts);
-}
-
 /// average_gradients_into with gradients read as S and outputs written as O (the traits'
 /// value_types, or the run-time types validate_elements found), after every check. With a plan,
 /// the checks keep their proof in it (signature: the call's types).

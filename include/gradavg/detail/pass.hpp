@@ -406,42 +406,16 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   return r;
 }
 
-[[noreturn]] inline void throw_output_element(element_type gradients, element_type outputs) {
-  throw output_error("gradavg: the outputs are " + std::string(element_name(outputs)) + " but the gradients are " +
-                     std::string(element_name(gradients)) +
-                     "; outputs hold the gradients' element type (or float32 for 16-bit gradients)");
-}
-
-/// Calls f.template operator()<S, O>() (returning a summary) with the gradients' element type S
-/// and the outputs' O of a call over tensor types G and OT, from e for dynamic tensors (e: what
-/// validate_elements found; types_known false when it threw, so e holds nothing). A pair the
-/// kernel does not have (validate_elements rejects each first): throws output_error, or, where
-/// every process must still take part in the call (Agree), runs the outputs' type's kernel.
-template <class G, class OT, bool Agree, class F>
-summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
-  auto with_gradients = [&]<class S>() -> summary {
-    if constexpr (dynamic_tensor<OT>) {
-      if (types_known && e.outputs != e.gradients) {
-        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
-          return f.template operator()<S, float>();
-        else if constexpr (!Agree)
-          throw_output_element(e.gradients, e.outputs);
-      }
-      return f.template operator()<S, S>();
-    } else {
-      using O = tensor_value_t<OT>;
-      if constexpr (supported_output<S, O>)
-        return f.template operator()<S, O>();
-      else if constexpr (Agree)
-        return f.template operator()<O, O>();
-      else
-        throw_output_element(e.gradients, e.outputs);
-    }
-  };
-  if constexpr (dynamic_tensor<G>)
-    return with_element(e.gradients, with_gradients);
-  else
-    return with_gradients.template operator()<tensor_value_t<G>>();
+/// The pass over a layout validation proved (variable i's buffers at layout[i * stride], stride
+/// = towers + 1, + 2 with squares), and the call's summary.
+template <class S, class O>
+summary average_layout(const byte_range* layout, std::size_t variables, std::size_t towers, bool with_squares,
+                       std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
+  const std::size_t stride = towers + (with_squares ? 2 : 1);
+  const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, layout, stride, elements};
+  const pass_result pass = with_accumulator<S>(
+      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, source, with_squares, opts); });
+  return make_summary(averaged, skipped, towers, pass, opts);
 }
 
 /// The allocating API's pass with gradients read as S (results of the same element type),
