@@ -15,7 +15,7 @@
 #include "tensor.hpp"
 
 namespace gradavg {
-namespace eigen_detail {
+namespace shared_detail {
 
 /// An Eigen dense expression whose elements sit in memory (Matrix, Array, Map, Ref, Block).
 template <class T>
@@ -27,16 +27,16 @@ struct is_const_eigen_ref : std::false_type {};
 template <class Plain, int Options, class Stride>
 struct is_const_eigen_ref<Eigen::Ref<const Plain, Options, Stride>> : std::true_type {};
 
-}  // namespace eigen_detail
+}  // namespace shared_detail
 
-template <eigen_detail::eigen_direct_access T>
+template <shared_detail::eigen_direct_access T>
 struct tensor_traits<T> {
   using value_type = std::remove_const_t<typename T::Scalar>;
   using result_type = typename T::PlainObject;
   /// Maps, blocks and non-const Refs refer to elements they do not own; Matrix and Array own
   /// theirs, and a Ref<const ...> may hold a copy.
   static constexpr bool view = !std::is_base_of_v<Eigen::PlainObjectBase<result_type>, T> &&
-                               !eigen_detail::is_const_eigen_ref<T>::value;
+                               !shared_detail::is_const_eigen_ref<T>::value;
 
   static const value_type* data(const T& t) noexcept { return t.data(); }
   static value_type* mutable_data(T& t) noexcept

@@ -11,7 +11,7 @@
 #include "tensor.hpp"
 
 namespace gradavg {
-namespace eigen_tensor_detail {
+namespace shared_detail {
 
 template <class T>
 gradavg::shape eigen_tensor_shape(const T& t) noexcept {
@@ -36,7 +36,7 @@ Eigen::Tensor<Scalar, Rank, Layout, Index> make_eigen_tensor(const gradavg::shap
   return t;
 }
 
-}  // namespace eigen_tensor_detail
+}  // namespace shared_detail
 
 template <class Scalar, int Rank, int Options, class Index>
 struct tensor_traits<Eigen::Tensor<Scalar, Rank, Options, Index>> {
@@ -46,9 +46,9 @@ struct tensor_traits<Eigen::Tensor<Scalar, Rank, Options, Index>> {
 
   static const Scalar* data(const tensor_type& t) noexcept { return t.data(); }
   static Scalar* mutable_data(tensor_type& t) noexcept { return t.data(); }
-  static gradavg::shape shape(const tensor_type& t) noexcept { return eigen_tensor_detail::eigen_tensor_shape(t); }
+  static gradavg::shape shape(const tensor_type& t) noexcept { return shared_detail::eigen_tensor_shape(t); }
   static result_type make(const gradavg::shape& s) {
-    return eigen_tensor_detail::make_eigen_tensor<Scalar, Rank, Options & Eigen::RowMajor, Index>(s);
+    return shared_detail::make_eigen_tensor<Scalar, Rank, Options & Eigen::RowMajor, Index>(s);
   }
 };
 
@@ -70,9 +70,9 @@ struct tensor_traits<Eigen::TensorMap<Plain, MapOptions, MakePointer>> {
   {
     return t.data();
   }
-  static gradavg::shape shape(const map_type& t) noexcept { return eigen_tensor_detail::eigen_tensor_shape(t); }
+  static gradavg::shape shape(const map_type& t) noexcept { return shared_detail::eigen_tensor_shape(t); }
   static result_type make(const gradavg::shape& s) {
-    return eigen_tensor_detail::make_eigen_tensor<value_type, plain_type::NumDimensions, plain_type::Options & Eigen::RowMajor,
+    return shared_detail::make_eigen_tensor<value_type, plain_type::NumDimensions, plain_type::Options & Eigen::RowMajor,
                                      typename plain_type::Index>(s);
   }
 };

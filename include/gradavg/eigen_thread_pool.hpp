@@ -38,7 +38,7 @@ class eigen_thread_pool_executor final : public executor {
     if (n == 0) return;
     const std::size_t helpers = std::min(n, concurrency()) - 1;
     if (helpers == 0 || pool_->CurrentThreadId() != -1) {
-      executor_detail::run_inline(n, task);
+      shared_detail::run_inline(n, task);
       return;
     }
     job work(task, n);
@@ -65,7 +65,7 @@ class eigen_thread_pool_executor final : public executor {
     task_ref task;
     std::size_t n;
     std::atomic<std::size_t> next{0};
-    executor_detail::first_exception error;
+    shared_detail::first_exception error;
 
     void drain() noexcept {
       for (std::size_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {

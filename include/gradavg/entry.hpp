@@ -38,12 +38,12 @@
 // The entry vocabulary, shared by every instruction-set level (detail/isa.hpp).
 namespace gradavg {
 
-namespace entry_detail {
+namespace shared_detail {
 
 template <class V>
 concept printable = requires(std::ostream& os, const V& v) { os << v; };
 
-}  // namespace entry_detail
+}  // namespace shared_detail
 
 /// A named (gradient, variable) entry; std::pair works just as well.
 template <class Gradient, class Variable>
@@ -94,12 +94,12 @@ struct variable_traits {
           os << "null";
         else if constexpr (std::is_same_v<pointee, char>)
           os << v;
-        else if constexpr (!std::is_void_v<pointee> && entry_detail::printable<pointee>)
+        else if constexpr (!std::is_void_v<pointee> && shared_detail::printable<pointee>)
           os << *v;
         else
           os << static_cast<const void*>(v);
       }
-    } else if constexpr (entry_detail::printable<V>) {
+    } else if constexpr (shared_detail::printable<V>) {
       os << v;
     }
   }

@@ -62,7 +62,7 @@ class executor {
   virtual void parallel_for(std::size_t n, task_ref task) = 0;
 };
 
-namespace executor_detail {
+namespace shared_detail {
 
 /// Keeps the first exception thrown by any of several threads. capture() from a catch handler;
 /// rethrow_if_any() on the caller once every thread that could capture has finished.
@@ -112,7 +112,7 @@ class fp_environment {
   std::fenv_t env_;
 };
 
-}  // namespace executor_detail
+}  // namespace shared_detail
 
 /// A fixed set of threads that lives as long as the pool: threads - 1 workers plus the caller of
 /// parallel_for, which takes part. Concurrent parallel_for calls from unrelated threads are
@@ -146,12 +146,12 @@ class thread_pool final : public executor {
   void parallel_for(std::size_t n, task_ref task) override {
     if (n == 0) return;
     if (n == 1 || workers_.empty() || serving_this_thread()) {
-      executor_detail::run_inline(n, task);
+      shared_detail::run_inline(n, task);
       return;
     }
     std::lock_guard call(call_mutex_);
     inside_.store(std::this_thread::get_id(), std::memory_order_relaxed);
-    executor_detail::first_exception error;
+    shared_detail::first_exception error;
     {
       std::lock_guard lock(state_mutex_);
       task_ = &task;
@@ -181,7 +181,7 @@ class thread_pool final : public executor {
     return std::any_of(workers_.begin(), workers_.end(), [self](const std::thread& w) { return w.get_id() == self; });
   }
 
-  void run_tasks(const task_ref& task, std::size_t n, executor_detail::first_exception& error) noexcept {
+  void run_tasks(const task_ref& task, std::size_t n, shared_detail::first_exception& error) noexcept {
     for (std::size_t i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) {
       try {
         task(i);
@@ -197,7 +197,7 @@ class thread_pool final : public executor {
     for (;;) {
       const task_ref* task;
       std::size_t n;
-      executor_detail::first_exception* error;
+      shared_detail::first_exception* error;
       {
         std::unique_lock lock(state_mutex_);
         wake_.wait(lock, [&] { return stopping_ || generation_ != seen; });
@@ -228,7 +228,7 @@ class thread_pool final : public executor {
   std::mutex state_mutex_;  // guards everything below but next_ and inside_
   std::condition_variable wake_, done_;
   const task_ref* task_ = nullptr;
-  executor_detail::first_exception* error_ = nullptr;
+  shared_detail::first_exception* error_ = nullptr;
   std::size_t tasks_ = 0;
   std::size_t busy_ = 0;
   std::size_t generation_ = 0;

@@ -13,7 +13,7 @@
 
 namespace gradavg {
 
-namespace layout_detail {
+namespace shared_detail {
 
 /// Bytes a buffer occupies: [first, last). Trivial, so scratch arrays of them cost nothing to
 /// declare; byte_range{} is empty.
@@ -40,7 +40,7 @@ struct tagged_range {
 
 struct layout_cache_access;
 
-}  // namespace layout_detail
+}  // namespace shared_detail
 
 /// Pass one as options.layout to average_gradients_into to make its default overlap check
 /// (alias_check::all) allocate nothing after the first call and cost O(N) instead of
@@ -63,16 +63,16 @@ class layout_cache {
   void clear() noexcept { proved_ = false; }
 
  private:
-  friend struct layout_detail::layout_cache_access;
+  friend struct shared_detail::layout_cache_access;
 
-  std::vector<layout_detail::byte_range> layout_;     // canonical order, see above
-  std::vector<layout_detail::tagged_range> sorted_;   // scratch for the sort
+  std::vector<shared_detail::byte_range> layout_;     // canonical order, see above
+  std::vector<shared_detail::tagged_range> sorted_;   // scratch for the sort
   std::size_t towers_ = 0;
   bool squares_ = false;
   bool proved_ = false;
 };
 
-namespace layout_detail {
+namespace shared_detail {
 
 /// The library's access to a layout_cache's members.
 struct layout_cache_access {
@@ -83,5 +83,5 @@ struct layout_cache_access {
   static bool& proved(layout_cache& c) noexcept { return c.proved_; }
 };
 
-}  // namespace layout_detail
+}  // namespace shared_detail
 }  // namespace gradavg

@@ -81,7 +81,7 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 template <tower_gradients TG, class Means>
   requires gradavg::detail::output_range<Means&>
 summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, const mpi::options& opts = {}) {
-  return mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
+  return detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
 }
 
 /// As above, and squares[i] receives the mean over all towers of all ranks of the squared gradient.
@@ -89,7 +89,7 @@ template <tower_gradients TG, class Means, class Squares>
   requires gradavg::detail::output_range<Means&> && gradavg::detail::output_range<Squares&>
 summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
                                const mpi::options& opts = {}) {
-  return mpi_detail::average_into(comm, tower_grads, means, &squares, opts);
+  return detail::average_into(comm, tower_grads, means, &squares, opts);
 }
 
 /// As above, keeping in p this rank's proof (plan.hpp) and what every rank agreed: while every
@@ -104,7 +104,7 @@ template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires gradavg::detail::output_range<Means&>
 summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means&& means,
                                const mpi::options& opts = {}) {
-  return mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, nullptr, &p);
+  return detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, nullptr, &p);
 }
 
 /// As above, with squares.
@@ -112,7 +112,7 @@ template <std::same_as<plan> P, tower_gradients TG, class Means, class Squares>
   requires gradavg::detail::output_range<Means&> && gradavg::detail::output_range<Squares&>
 summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
                                const mpi::options& opts = {}) {
-  return mpi_detail::average_into(comm, tower_grads, means, &squares, opts, nullptr, &p);
+  return detail::average_into(comm, tower_grads, means, &squares, opts, nullptr, &p);
 }
 
 /// The allocating form: gradavg::average_gradients over every rank's towers.
@@ -164,9 +164,9 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
     prior = std::current_exception();
   }
   if (opts.include_square)
-    result.report = mpi_detail::average_into(comm, tower_grads, means, &squares, opts, prior);
+    result.report = detail::average_into(comm, tower_grads, means, &squares, opts, prior);
   else
-    result.report = mpi_detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
+    result.report = detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
   return result;
 }
 

@@ -64,7 +64,7 @@ enum class exchange_method : unsigned char {
 
 class workspace;
 
-namespace workspace_detail {
+namespace shared_detail {
 
 /// What a workspace keeps: the calls' tables and fusion buffers.
 struct buffers {
@@ -82,7 +82,7 @@ struct access {
   static buffers& of(workspace& w) noexcept;
 };
 
-}  // namespace workspace_detail
+}  // namespace shared_detail
 
 /// Buffers reused from call to call (no allocation once they have grown to a layout's size).
 class workspace {
@@ -90,11 +90,11 @@ class workspace {
   workspace() = default;
 
  private:
-  friend struct workspace_detail::access;
-  workspace_detail::buffers held;
+  friend struct shared_detail::access;
+  shared_detail::buffers held;
 };
 
-inline workspace_detail::buffers& workspace_detail::access::of(workspace& w) noexcept { return w.held; }
+inline shared_detail::buffers& shared_detail::access::of(workspace& w) noexcept { return w.held; }
 
 /// options plus what only the process-parallel call needs. Every rank passes the same values
 /// (except weights, one per local tower).

@@ -34,7 +34,7 @@ class openmp_executor final : public executor {
   void parallel_for(std::size_t n, task_ref task) override {
     const auto count = static_cast<long long>(n);
     const int threads = static_cast<int>(std::min<std::size_t>(n, concurrency()));
-    executor_detail::first_exception error;
+    shared_detail::first_exception error;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (long long i = 0; i < count; ++i) {
       if (error.failed()) continue;

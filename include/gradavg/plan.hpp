@@ -34,7 +34,7 @@
 
 namespace gradavg {
 
-namespace plan_detail {
+namespace shared_detail {
 
 /// One address per call signature (tensor and range types): a plan proved for one signature is
 /// never taken for another.
@@ -43,7 +43,7 @@ inline constexpr char signature_of = 0;
 
 struct plan_access;
 
-}  // namespace plan_detail
+}  // namespace shared_detail
 
 class plan {
  public:
@@ -64,7 +64,7 @@ class plan {
   }
 
  private:
-  friend struct plan_detail::plan_access;
+  friend struct shared_detail::plan_access;
 
   layout_cache proof_;                  // the proved byte ranges in layout_cache's order, and the
                                         // tower count and squares they were proved for
@@ -81,15 +81,15 @@ class plan {
   std::vector<std::uint64_t> agreed_;  // across processes: what the ranks agreed (empty: nothing)
 };
 
-namespace plan_detail {
+namespace shared_detail {
 
 /// The library's access to a plan's members.
 struct plan_access {
   static layout_cache& proof(plan& p) noexcept { return p.proof_; }
   static std::vector<unsigned char>& present(plan& p) noexcept { return p.present_; }
   static const void*& signature(plan& p) noexcept { return p.signature_; }
-  static std::size_t towers(plan& p) noexcept { return layout_detail::layout_cache_access::towers(p.proof_); }
-  static bool squares(plan& p) noexcept { return layout_detail::layout_cache_access::squares(p.proof_); }
+  static std::size_t towers(plan& p) noexcept { return shared_detail::layout_cache_access::towers(p.proof_); }
+  static bool squares(plan& p) noexcept { return shared_detail::layout_cache_access::squares(p.proof_); }
   static std::size_t& variables(plan& p) noexcept { return p.variables_; }
   static std::size_t& averaged(plan& p) noexcept { return p.averaged_; }
   static std::size_t skipped(plan& p) noexcept { return p.variables_ - p.averaged_; }
@@ -102,5 +102,5 @@ struct plan_access {
   static std::vector<std::uint64_t>& agreed(plan& p) noexcept { return p.agreed_; }
 };
 
-}  // namespace plan_detail
+}  // namespace shared_detail
 }  // namespace gradavg

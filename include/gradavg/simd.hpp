@@ -53,7 +53,7 @@ constexpr std::string_view to_string(simd_level level) noexcept {
   return "unknown";
 }
 
-namespace simd_detail {
+namespace shared_detail {
 
 /// The widest x86-64 level this CPU and its operating system support (CPUID, XGETBV), or
 /// simd_level::scalar where the target is not x86-64 with GCC or Clang.
@@ -78,16 +78,16 @@ inline simd_level detect_cpu_simd_level() noexcept {
 #endif
 }
 
-}  // namespace simd_detail
+}  // namespace shared_detail
 
 /// The widest level this CPU runs (x86-64: sse2, avx2, avx512 or avx512_bf16, detected once per
 /// process; scalar on other targets, whose level is fixed at compile time).
 inline simd_level cpu_simd_level() noexcept {
-  static const simd_level level = simd_detail::detect_cpu_simd_level();
+  static const simd_level level = shared_detail::detect_cpu_simd_level();
   return level;
 }
 
-namespace simd_detail {
+namespace shared_detail {
 
 /// GRADAVG_ISA as a level, or -1 where it is unset or names no level.
 inline int environment_simd_level() noexcept {
@@ -127,20 +127,20 @@ inline int requested_simd_level() noexcept {
   return level;
 }
 
-}  // namespace simd_detail
+}  // namespace shared_detail
 
 /// Runs every later call at `level` (program-wide, from any thread): false, and nothing changed,
 /// where this CPU cannot run it or it is not an x86-64 level (sse2, avx2, avx512, avx512_bf16).
 /// A translation unit compiled for a higher level than `level` (its -march) runs its lowest one.
 inline bool force_simd_level(simd_level level) noexcept {
   if (level < simd_level::sse2 || level > cpu_simd_level()) return false;
-  simd_detail::selected_simd_level().store(static_cast<int>(level), std::memory_order_relaxed);
+  shared_detail::selected_simd_level().store(static_cast<int>(level), std::memory_order_relaxed);
   return true;
 }
 
 /// Undoes force_simd_level: GRADAVG_ISA, else the CPU's widest level.
 inline void reset_simd_level() noexcept {
-  simd_detail::selected_simd_level().store(simd_detail::default_simd_level(), std::memory_order_relaxed);
+  shared_detail::selected_simd_level().store(shared_detail::default_simd_level(), std::memory_order_relaxed);
 }
 
 GRADAVG_BEGIN_ISA_NAMESPACE
@@ -148,7 +148,7 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 /// The level a call from this translation unit runs at now: the program's choice (the CPU's
 /// widest, GRADAVG_ISA or force_simd_level) within the levels this unit compiles.
 inline simd_level simd_level_in_use() noexcept {
-  const int level = simd_detail::requested_simd_level();
+  const int level = shared_detail::requested_simd_level();
   if (level < GRADAVG_UNIT_LEVEL_) return static_cast<simd_level>(GRADAVG_UNIT_LEVEL_);
   if (level > GRADAVG_TOP_LEVEL_) return static_cast<simd_level>(GRADAVG_TOP_LEVEL_);
   return static_cast<simd_level>(level);

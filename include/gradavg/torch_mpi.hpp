@@ -32,8 +32,8 @@ namespace detail {
 /// replicas) leave presence unknown everywhere: no zeros, one averaging call, whose own
 /// agreement names the error.
 inline void agree_presence(MPI_Comm comm, presence& seen, const module_options& mopts) {
-  using gradavg::mpi::mpi_detail::check;
-  gradavg::mpi::mpi_detail::check_communicator(comm);
+  using gradavg::mpi::detail::check;
+  gradavg::mpi::detail::check_communicator(comm);
   constexpr std::uint64_t unknown = ~std::uint64_t{0} >> 1;
   const std::uint64_t flag = mopts.absent_as_zeros ? 1 : 0;
   const std::uint64_t count = seen.known ? seen.parameters : unknown;
@@ -57,7 +57,7 @@ inline void agree_presence(MPI_Comm comm, presence& seen, const module_options& 
 /// FNV-1a of a replica's parameters or buffers as every rank must hold them: names, whether
 /// defined, dtypes, sizes and memory-order shapes.
 inline std::uint64_t state_fingerprint(const ::torch::OrderedDict<std::string, at::Tensor>& state) {
-  using gradavg::mpi::mpi_detail::fnv;
+  using gradavg::mpi::detail::fnv;
   std::uint64_t h = fnv("gradavg state", 13);
   for (const auto& item : state) {
     h = fnv(item.key().data(), item.key().size() + 1, h);  // with its terminating null
@@ -65,7 +65,7 @@ inline std::uint64_t state_fingerprint(const ::torch::OrderedDict<std::string, a
     const std::int64_t d[2] = {t.defined() ? 1 : 0, t.defined() ? static_cast<std::int64_t>(t.scalar_type()) : -1};
     h = fnv(d, sizeof d, h);
     if (!t.defined()) continue;
-    const shape s = torch_detail::memory_order_shape(t);
+    const shape s = gradavg::shared_detail::memory_order_shape(t);
     const std::int64_t rank = t.dim();
     h = fnv(&rank, sizeof rank, h);
     h = fnv(t.sizes().data(), t.sizes().size() * sizeof(std::int64_t), h);
@@ -81,10 +81,10 @@ inline std::uint64_t state_fingerprint(const ::torch::OrderedDict<std::string, a
 /// tensor of its bytes (in pieces of at most 1 GiB) into replica 0, then the local copies.
 inline void broadcast_state(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas, int root,
                             state_kind kind) {
-  using gradavg::mpi::mpi_detail::check;
-  gradavg::mpi::mpi_detail::check_communicator(comm);
-  const int rank = gradavg::mpi::mpi_detail::comm_rank(comm);
-  const int ranks = gradavg::mpi::mpi_detail::comm_size(comm);
+  using gradavg::mpi::detail::check;
+  gradavg::mpi::detail::check_communicator(comm);
+  const int rank = gradavg::mpi::detail::comm_rank(comm);
+  const int ranks = gradavg::mpi::detail::comm_size(comm);
   const char* what = kind == state_kind::parameters ? "parameters" : "buffers";
   std::vector<::torch::OrderedDict<std::string, at::Tensor>> states;
   std::uint64_t fingerprint = 0;
@@ -184,8 +184,8 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
           std::span<variable_statistics> per_variable) {
         gradavg::mpi::options call = opts;
         call.per_variable = per_variable;
-        if (squares) return gradavg::mpi::mpi_detail::average_into(comm, tg, means, squares, call, prior);
-        return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
+        if (squares) return gradavg::mpi::detail::average_into(comm, tg, means, squares, call, prior);
+        return gradavg::mpi::detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
                                                       prior);
       });
 }
@@ -243,7 +243,7 @@ class mpi_data_parallel final : public data_parallel {
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
           [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
               std::span<variable_statistics>) {
-            return gradavg::mpi::mpi_detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
+            return gradavg::mpi::detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
                                                           opts, prior);
           },
           &masked, &params);
@@ -252,8 +252,8 @@ class mpi_data_parallel final : public data_parallel {
 
   static agreement agreement_on(MPI_Comm comm) {
     return [comm](std::uint64_t fingerprint, std::exception_ptr failure) {
-      using gradavg::mpi::mpi_detail::check;
-      gradavg::mpi::mpi_detail::check_communicator(comm);
+      using gradavg::mpi::detail::check;
+      gradavg::mpi::detail::check_communicator(comm);
       int level = MPI_THREAD_SINGLE;
       check(MPI_Query_thread(&level), "MPI_Query_thread");
       if (!failure && level < MPI_THREAD_SERIALIZED)

@@ -40,7 +40,7 @@
 
 namespace gradavg {
 
-namespace torch_detail {
+namespace shared_detail {
 
 /// Throws unsupported_tensor_error unless t is a dense CPU tensor.
 inline void check_readable(const at::Tensor& t) {
@@ -95,7 +95,7 @@ inline at::ScalarType scalar_type_of(element_type e) noexcept {
   return at::kFloat;
 }
 
-}  // namespace torch_detail
+}  // namespace shared_detail
 
 template <>
 struct tensor_traits<at::Tensor> {
@@ -104,23 +104,23 @@ struct tensor_traits<at::Tensor> {
 
   static bool present(const at::Tensor& t) noexcept { return t.defined(); }
   static element_type element(const at::Tensor& t) {
-    torch_detail::check_readable(t);
-    return torch_detail::element_of(t.scalar_type());
+    shared_detail::check_readable(t);
+    return shared_detail::element_of(t.scalar_type());
   }
   static const void* data(const at::Tensor& t) {
-    torch_detail::check_readable(t);
+    shared_detail::check_readable(t);
     return t.data_ptr();
   }
   static void* mutable_data(at::Tensor& t) {
-    torch_detail::check_readable(t);
+    shared_detail::check_readable(t);
     return t.data_ptr();
   }
-  /// The memory-order shape (torch_detail::memory_order_shape).
-  static gradavg::shape shape(const at::Tensor& t) { return torch_detail::memory_order_shape(t); }
+  /// The memory-order shape (shared_detail::memory_order_shape).
+  static gradavg::shape shape(const at::Tensor& t) { return shared_detail::memory_order_shape(t); }
   /// Dense: no gaps, no overlaps, in any memory order.
   static bool contiguous(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
   static result_type make(const gradavg::shape& s, element_type e) {
-    return at::empty(at::IntArrayRef(s.dims.data(), s.rank), at::TensorOptions().dtype(torch_detail::scalar_type_of(e)));
+    return at::empty(at::IntArrayRef(s.dims.data(), s.rank), at::TensorOptions().dtype(shared_detail::scalar_type_of(e)));
   }
 };
 

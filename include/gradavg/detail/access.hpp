@@ -29,9 +29,9 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 // Shared by every level (layout_cache.hpp).
-using gradavg::layout_detail::byte_range;
-using gradavg::layout_detail::layout_cache_access;
-using gradavg::layout_detail::tagged_range;
+using gradavg::shared_detail::byte_range;
+using gradavg::shared_detail::layout_cache_access;
+using gradavg::shared_detail::tagged_range;
 
 // ---- Access to tower_grads[k][i]. ----------------------------------------------------------
 

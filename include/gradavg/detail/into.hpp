@@ -84,7 +84,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
     static_assert(std::is_same_v<tensor_value_t<output_tensor_t<Squares&>>, tensor_value_t<OT>>,
                   "gradavg: the squares outputs must hold the same element type as the means outputs");
   }
-  const void* const signature = &plan_detail::signature_of<TG, Means, Squares>;
+  const void* const signature = &shared_detail::signature_of<TG, Means, Squares>;
   if (p != nullptr) check_no_layout_with(*p, opts);
   if constexpr (static_tensor<G> && static_tensor<OT>) {
     using S = tensor_value_t<G>;

@@ -17,7 +17,7 @@
 namespace gradavg {
 namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace mpi_detail {
+namespace detail {
 
 /// One call: this rank's checks and the agreement with every other rank, then the data path it
 /// derives from (the same template parameters).
@@ -77,7 +77,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
   std::uint64_t plan_state_here(std::uint64_t* header) {
     using gradavg::detail::plan_access;
     if (planned == nullptr ||
-        !gradavg::detail::matches_plan<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, means,
+        !gradavg::detail::matches_plan<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, means,
                                              squares, opts))
       return 0;
     if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
@@ -225,7 +225,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
         }
         gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
         if (planned != nullptr && proved) {
-          gradavg::detail::keep_proof<S, O>(*planned, &plan_detail::signature_of<TG, Means, Squares>, tg, v,
+          gradavg::detail::keep_proof<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, v,
                                             opts.aliasing);
           gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
         }
@@ -406,7 +406,7 @@ template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                            std::exception_ptr prior, plan* planned) {
   workspace own;
-  workspace_detail::buffers& work = workspace_detail::access::of(opts.work ? *opts.work : own);
+  shared_detail::buffers& work = shared_detail::access::of(opts.work ? *opts.work : own);
   return call<TG, Means, Squares, S, O>{{comm, tg, means, squares, opts, work}, planned}(prior);
 }
 
@@ -446,7 +446,7 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
   }
 }
 
-}  // namespace mpi_detail
+}  // namespace detail
 
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi

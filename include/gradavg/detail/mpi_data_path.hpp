@@ -21,7 +21,7 @@
 namespace gradavg {
 namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace mpi_detail {
+namespace detail {
 
 /// The data path of one call: TG the towers, Means/Squares the output ranges (Squares = nullptr_t:
 /// none), S and O the element types the gradients are read as and the outputs written as
@@ -36,7 +36,7 @@ struct data_path {
   Means& means;
   Squares* squares;
   const mpi::options& opts;
-  workspace_detail::buffers& work;
+  shared_detail::buffers& work;
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
   first_mpi_failure failed{};
@@ -425,7 +425,7 @@ struct data_path {
   }
 };
 
-}  // namespace mpi_detail
+}  // namespace detail
 
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi

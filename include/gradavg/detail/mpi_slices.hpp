@@ -11,7 +11,7 @@
 namespace gradavg {
 namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace mpi_detail {
+namespace detail {
 
 /// The first MPI call of a data path that returned an error: thrown after the last collective
 /// (throwing at once would leave the other ranks waiting for this rank's messages).
@@ -144,7 +144,7 @@ struct slice_exchange {
   }
 };
 
-}  // namespace mpi_detail
+}  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi
 }  // namespace gradavg

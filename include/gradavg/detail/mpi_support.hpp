@@ -18,7 +18,7 @@ namespace gradavg {
 namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
 
-namespace mpi_detail {
+namespace detail {
 
 using gradavg::detail::describe_shape;
 using gradavg::detail::describe_towers;
@@ -262,7 +262,7 @@ inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduc
                     i);
 }
 
-}  // namespace mpi_detail
+}  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi
 }  // namespace gradavg

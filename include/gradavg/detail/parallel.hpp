@@ -104,8 +104,8 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
     return;
   }
   if (chunks > max_chunks) throw std::logic_error("gradavg: run_chunks over more than max_chunks chunks");
-  const executor_detail::fp_environment caller_env;
-  executor_detail::first_exception failure;
+  const shared_detail::fp_environment caller_env;
+  shared_detail::first_exception failure;
   task_ledger ledger(chunks);
   auto guarded = [&](std::size_t c) noexcept {
     if (!ledger.start(c) || failure.failed()) return;

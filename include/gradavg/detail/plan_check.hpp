@@ -18,7 +18,7 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-using gradavg::plan_detail::plan_access;
+using gradavg::shared_detail::plan_access;
 
 /// How much of the overlap rules a check proves: none < same_variable < all.
 constexpr int alias_strength(alias_check a) noexcept {

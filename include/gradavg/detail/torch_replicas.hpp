@@ -438,7 +438,7 @@ inline std::vector<::torch::OrderedDict<std::string, at::Tensor>> alike_states(
                                       i);
       if (!t.defined()) continue;
       try {
-        torch_detail::check_readable(t);
+        shared_detail::check_readable(t);
       } catch (const error& e) {
         throw unsupported_tensor_error(here + " on replica " + std::to_string(k) + ": " + e.what(), i);
       }
@@ -448,7 +448,7 @@ inline std::vector<::torch::OrderedDict<std::string, at::Tensor>> alike_states(
         throw element_type_error(here + ": " + c10::toString(t.scalar_type()) + " on replica " + std::to_string(k) +
                                      " but " + c10::toString(first.value().scalar_type()) + " on replica 0",
                                  i);
-      const shape sk = torch_detail::memory_order_shape(t), s0 = torch_detail::memory_order_shape(first.value());
+      const shape sk = shared_detail::memory_order_shape(t), s0 = shared_detail::memory_order_shape(first.value());
       if (!(sk == s0) || t.sizes() != first.value().sizes())
         throw shape_error(here + ": replica " + std::to_string(k) + " has sizes " + c10::str(t.sizes()) +
                               " (memory order " + gradavg::detail::describe_shape(sk) + ") but replica 0 has " +
