@@ -143,12 +143,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
     header[h_samples] = double_to_bits(opts.samples_per_tower);
     header[h_per_variable] = opts.per_variable.empty() ? 0 : 1;
     header[h_exchange] = static_cast<std::uint64_t>(opts.exchange);
-    double weight_sum = static_cast<double>(std::ranges::size(tg));
-    if (!opts.weights.empty()) {
-      weight_sum = 0;
-      for (double w : opts.weights) weight_sum += w;
-    }
-    header[h_weight_sum] = double_to_bits(weight_sum);
+    header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.weights, std::ranges::size(tg)));
     header[h_weighted_towers] =
         opts.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.weights);
   }

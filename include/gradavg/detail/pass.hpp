@@ -121,12 +121,7 @@ class pass_run {
     const std::size_t n = range_end_ - range_begin_;
     if (n == 0) return result;
 
-    double weight_sum = static_cast<double>(towers_);
-    if (!opts_.weights.empty()) {
-      weight_sum = 0;
-      for (double w : opts_.weights) weight_sum += w;
-    }
-    divisor_ = static_cast<Acc>(weight_sum);
+    divisor_ = static_cast<Acc>(weight_sum(opts_.weights, towers_));
     // validate_options: the scale and every weight times it are representable in Acc.
     params_ = {opts_.weights.empty() ? nullptr : opts_.weights.data(), opts_.scale, static_cast<Acc>(opts_.scale),
                opts_.on_nonfinite != nonfinite_policy::ignore, opts_.statistics};
@@ -201,10 +196,10 @@ class pass_run {
     }
   }
 
-  /// Elements [begin, end) of variable i (local indices), which starts at flat index offset, in
-  /// the segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
-  void run_piece(std::size_t i, std::size_t offset, std::size_t begin, std::size_t end, std::size_t seg_begin,
-                 std::size_t seg_end, segment_record& record) const {
+  /// Elements [begin, end) of variable i (size elements, starting at flat index offset), in the
+  /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
+  void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
+                 std::size_t seg_begin, std::size_t seg_end, segment_record& record) const {
     const variable_towers towers_of_i{&source_, i};
     const tower_reader<S> reader =
         layout_ != nullptr
@@ -220,7 +215,6 @@ class pass_run {
     }
     piece_result piece = reduce_range<S, Acc>(reader, towers_, begin, end, mean_ptr(i), square_ptr(i), stream_,
                                               prefetch_, divisor_, &params_);
-    const std::size_t size = size_of(i);
     const bool starts_here = offset >= seg_begin || seg_begin == range_begin_;
     const bool ends_here = offset + size <= seg_end || seg_end == range_end_;
     if (!starts_here) {
@@ -256,7 +250,7 @@ class pass_run {
         }
         const std::size_t begin = std::max(offset, seg_begin) - offset;
         const std::size_t end = std::min(offset + size, seg_end) - offset;
-        run_piece(i, offset, begin, end, seg_begin, seg_end, record);
+        run_piece(i, size, offset, begin, end, seg_begin, seg_end, record);
         if (offset + size > seg_end) break;  // continues in the next segment
         offset += size;
         ++i;
