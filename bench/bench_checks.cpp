@@ -9,7 +9,7 @@
 //                   towers unrolled), no checks: the floor
 //     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
 //                   contiguity compared with the proof of the first call, nothing else checked
-//     cached        gradavg, default checks (alias_check::all), options.layout reused: the
+//     cached        gradavg, default checks (alias_check::all), options.check.layout reused: the
 //                   layout proved by the previous call is compared range by range
 //     uncached      gradavg, default checks, no layout_cache: sort and sweep every call
 //     same_variable gradavg, the partial check (no sort)
@@ -129,17 +129,17 @@ void BM_small(benchmark::State& state) {
 #endif
 #if GRADAVG_BENCH_HAVE_LAYOUT_CACHE
   cs.push_back({"cached", [&] {
-                  gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans, {.layout = &cache});
+                  gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans, {.check = {.layout = &cache}});
                 }, {}});
 #endif
   cs.push_back({"uncached", [&] { gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans); }, {}});
   cs.push_back({"same_variable", [&] {
                   gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans,
-                                                  {.aliasing = gradavg::alias_check::same_variable});
+                                                  {.check = {.aliasing = gradavg::alias_check::same_variable}});
                 }, {}});
   cs.push_back({"none", [&] {
                   gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans,
-                                                  {.aliasing = gradavg::alias_check::none});
+                                                  {.check = {.aliasing = gradavg::alias_check::none}});
                 }, {}});
 
   // Check every contender against the bare loop.
@@ -199,8 +199,8 @@ void BM_checks(benchmark::State& state) {
   gradavg::layout_cache cache;
   const auto mode = static_cast<int>(state.range(1));
   gradavg::options opts;
-  if (mode == 1) opts.layout = &cache;
-  if (mode == 2) opts.aliasing = gradavg::alias_check::none;
+  if (mode == 1) opts.check.layout = &cache;
+  if (mode == 2) opts.check.aliasing = gradavg::alias_check::none;
   for (auto _ : state) {
     gradavg::detail::check_scratch scratch;
     benchmark::DoNotOptimize(gradavg::detail::validate_into(tg, means, &squares, opts, scratch));

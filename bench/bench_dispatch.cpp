@@ -8,7 +8,7 @@
 // Points: paired_dispatch/<float|half|bfloat16>/T:<T>/P:<P>/<op>/threads:1, T in {2, 4, 8, 16},
 // P = 64Ki (in cache) and --dispatch_elements (default 16Mi: from memory), op:
 //   mean      means only
-//   mean_nt   means only, options.stores = store_policy::streaming
+//   mean_nt   means only, options.run.stores = store_policy::streaming
 //   mean_sq   means and squares
 //   all       weights (uneven) + scale 2^-10 + non-finite report + statistics, means only
 //             (with squares too in the V:1000x64 points)
@@ -120,12 +120,12 @@ void dispatch_point(benchmark::State& state, std::size_t towers, std::size_t ele
   auto& data = cmp.hold<point_data<S>>(towers, elements, variables);
   gradavg::options opts;
   if (op == dispatch_op::all) {
-    opts.weights = data.weights;
-    opts.scale = 1.0 / 1024;
-    opts.on_nonfinite = gradavg::nonfinite_policy::report;
-    opts.statistics = true;
+    opts.compute.weights = data.weights;
+    opts.compute.scale = 1.0 / 1024;
+    opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+    opts.compute.statistics = true;
   }
-  opts.stores = (op == dispatch_op::mean_nt) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+  opts.run.stores = (op == dispatch_op::mean_nt) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
   const bool squares = op == dispatch_op::mean_sq || (op == dispatch_op::all && variables > 1);
   const double bytes = static_cast<double>((towers + (squares ? 2 : 1)) * elements * sizeof(S));
 

@@ -1,4 +1,4 @@
-// The fused training step (options.weights, scale, on_nonfinite, statistics; 16-bit gradients),
+// The fused training step (options.compute.weights, scale, on_nonfinite, statistics; 16-bit gradients),
 // measured by alternation like bench_paired.cpp (rounds.hpp): every contender of a point runs once
 // per round, the start rotating, and ratios are medians of per-round ratios. Every contender is
 // checked against a double reference before the rounds (means, squares, and the fused sums of
@@ -13,9 +13,9 @@
 //     mean, mean_nt           plain gradavg, means only (nt: streaming stores)
 //     mean_sq, mean_sq_nt     plain gradavg, means and squares
 //     weights                 options.weights (uneven: the last tower weighs 20, the others 32)
-//     scale                   options.scale = 2^-10
-//     report                  options.on_nonfinite = report
-//     stats                   options.statistics (samples_per_tower 32), means only
+//     scale                   options.compute.scale = 2^-10
+//     report                  options.compute.on_nonfinite = report
+//     stats                   options.compute.statistics, means only
 //     stats_sq                the same with a squares output
 //     all, all_sq             weights + scale + report + statistics together, without and with squares
 //     all_nt, all_sq_nt       the same with streaming stores (what store_policy::automatic picks for
@@ -85,7 +85,7 @@ using half = Eigen::half;
 
 /// The unscaling factor of the scale contenders: a loss scale of 1024.
 constexpr double loss_unscale = 1.0 / 1024;
-/// Samples behind one tower's gradient, for the noise estimate.
+/// Samples behind one tower's gradient (the uneven weights' full batch).
 constexpr double samples_per_tower = 32;
 
 template <class S>
@@ -163,7 +163,7 @@ std::string check_sum(const char* what, double got, double want) {
 }
 
 /// gradavg::average_gradients_into over one variable per tower, with the features in `features`
-/// and threads: options.threads = n on a gradavg::thread_pool(n) the runner owns. O: the outputs'
+/// and threads: options.run.threads = n on a gradavg::thread_pool(n) the runner owns. O: the outputs'
 /// element type. Outputs: means, and squares unless sq is null.
 template <class S, class O>
 class gradavg_fused final : public runner {
@@ -171,8 +171,8 @@ class gradavg_fused final : public runner {
   gradavg_fused(std::span<const S* const> towers, std::size_t elements, O* mean, O* sq, int threads,
                 const gradavg::options& features)
       : pool_(static_cast<std::size_t>(std::max(1, threads))), opts_(features) {
-    opts_.threads = static_cast<std::size_t>(std::max(1, threads));
-    opts_.pool = &pool_;
+    opts_.run.threads = static_cast<std::size_t>(std::max(1, threads));
+    opts_.run.pool = &pool_;
     for (const S* t : towers) grads_.push_back({{std::span<const S>(t, elements), 0}});
     means_.emplace_back(mean, elements);
     if (sq != nullptr) squares_.emplace_back(sq, elements);
@@ -244,7 +244,7 @@ class separate_passes final : public runner {
 };
 
 /// Adds a gradavg contender: runs it once into poisoned outputs and checks its means, squares
-/// and (with options.statistics) fused sums. Returns an error.
+/// and (with options.compute.statistics) fused sums. Returns an error.
 template <class S, class O>
 std::string add_gradavg(comparison& cmp, const std::string& name, std::span<const S* const> towers,
                         std::size_t elements, int threads, O* mean, O* sq, const gradavg::options& features,
@@ -254,13 +254,13 @@ std::string add_gradavg(comparison& cmp, const std::string& name, std::span<cons
   if (sq != nullptr) poison(std::span<O>(sq, elements));
   r->run();
   reference_sums sums;
-  std::string error = check_outputs<S, O>(towers, elements, mean, sq, features.weights, features.scale, sums);
+  std::string error = check_outputs<S, O>(towers, elements, mean, sq, features.compute.weights, features.compute.scale, sums);
   const gradavg::summary& got = r->last();
-  if (error.empty() && features.statistics) {
+  if (error.empty() && features.compute.statistics) {
     error = check_sum("sum_mean_squared", got.sum_mean_squared, sums.mean_squared);
     if (error.empty()) error = check_sum("sum_mean_of_squares", got.sum_mean_of_squares, sums.mean_of_squares);
   }
-  if (error.empty() && features.on_nonfinite != gradavg::nonfinite_policy::ignore && got.nonfinite())
+  if (error.empty() && features.compute.on_nonfinite != gradavg::nonfinite_policy::ignore && got.nonfinite())
     error = "non-finite reported on finite inputs";
   if (!error.empty()) return name + ": " + error;
   cmp.contenders.emplace_back(name, std::move(r), bytes);
@@ -323,14 +323,11 @@ void fused_float_point(benchmark::State& state, std::size_t tower_count, std::si
     for (const variant& v : variants) {
       if (!error.empty()) break;
       gradavg::options o;
-      o.stores = v.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
-      if (v.weighted) o.weights = weights;
-      if (v.scaled) o.scale = loss_unscale;
-      if (v.report) o.on_nonfinite = gradavg::nonfinite_policy::report;
-      if (v.statistics) {
-        o.statistics = true;
-        o.samples_per_tower = samples_per_tower;
-      }
+      o.run.stores = v.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      if (v.weighted) o.compute.weights = weights;
+      if (v.scaled) o.compute.scale = loss_unscale;
+      if (v.report) o.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+      o.compute.statistics = v.statistics;
       error = add_gradavg<float, float>(cmp, v.name, tw, elements, threads, mean, v.squares ? sq : nullptr, o,
                                         v.squares ? sq_bytes : mean_bytes);
     }
@@ -386,7 +383,7 @@ void fused16_point(benchmark::State& state, std::size_t tower_count, std::size_t
     S* sq = cmp.hold<aligned_buffer<S>>(elements).data();
     float* mean_f32 = cmp.hold<aligned_buffer<float>>(elements).data();
     gradavg::options nt;
-    nt.stores = gradavg::store_policy::streaming;
+    nt.run.stores = gradavg::store_policy::streaming;
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean", tw, elements, threads, mean, nullptr, {}, (t + 1) * n * 2);
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean_nt", tw, elements, threads, mean, nullptr, nt, (t + 1) * n * 2);
     if (error.empty()) error = add_gradavg<S, S>(cmp, "mean_sq", tw, elements, threads, mean, sq, {}, (t + 2) * n * 2);

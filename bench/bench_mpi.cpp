@@ -15,7 +15,7 @@
 //   exchange_collectives  the same through MPI_Ialltoallv and MPI_Iallgatherv; --schedules 1
 //   gradavg/F      gradavg::mpi::average_gradients_into with a workspace, fusion buffers of F MiB
 //                  (--fusion-mib, a comma-separated list; 0: automatic_fusion_bytes); with
-//                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange)
+//                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange.method)
 //   gradavg/F/plan the first gradavg/F with a gradavg::plan kept across rounds (every call after
 //                  the first: no agreement collective); only with --plan 1 (the default)
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
@@ -187,7 +187,7 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                                      MPI_COMM_WORLD);
                      }});
   gradavg::options local_opts;
-  local_opts.threads = cfg.threads;
+  local_opts.run.threads = cfg.threads;
   std::vector<std::vector<float>> local_means = p.means, local_squares = p.squares;
   methods.push_back({"local", [&] {
                        if (with_squares)
@@ -360,10 +360,10 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                            (point_to_point ? "/point_to_point" : "") + (planned ? "/plan" : ""),
                        [&, mib, f, point_to_point, planned] {
                          gradavg::mpi::options opts;
-                         opts.work = &work[f];
-                         opts.threads = cfg.threads;
-                         opts.fusion_bytes = static_cast<std::size_t>(mib) << 20;
-                         if (point_to_point) opts.exchange = gradavg::mpi::exchange_method::point_to_point;
+                         opts.exchange.work = &work[f];
+                         opts.run.threads = cfg.threads;
+                         opts.exchange.fusion_bytes = static_cast<std::size_t>(mib) << 20;
+                         if (point_to_point) opts.exchange.method = gradavg::mpi::exchange_method::point_to_point;
                          if (planned && with_squares)
                            gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
                          else if (planned)

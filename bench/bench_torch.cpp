@@ -43,7 +43,7 @@ std::size_t total_elements(const towers_t& tg) {
 }
 
 void way_gradavg(towers_t& tg, std::vector<at::Tensor>& means, std::size_t threads) {
-  gradavg::average_gradients_into(tg, means, {.threads = threads});
+  gradavg::average_gradients_into(tg, means, {.run = {.threads = threads}});
 }
 
 void way_stack_mean(towers_t& tg, std::vector<at::Tensor>& means, std::size_t) {
@@ -145,9 +145,8 @@ void module_call(benchmark::State& state) {
       replicas.back()->w.mutable_grad() = torch::rand({4096, 4096}) * 2 - 1;
     }
   }
-  const gradavg::options opts{.threads = 2,
-                              .stores = w == module_way::every_replica_regular ? gradavg::store_policy::regular
-                                                                               : gradavg::store_policy::automatic};
+  const gradavg::options opts{.run = {.threads = 2, .stores = w == module_way::every_replica_regular ? gradavg::store_policy::regular
+                                                                               : gradavg::store_policy::automatic}};
   std::vector<std::vector<std::pair<at::Tensor, std::string>>> tg(k_count);
   for (std::size_t k = 0; k < k_count; ++k) tg[k].emplace_back(replicas[k]->w.grad(), "w");
   std::vector<at::Tensor> means{replicas[0]->w.grad()};

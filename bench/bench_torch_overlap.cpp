@@ -101,8 +101,7 @@ enum class way { backward, one_shot, overlapped };
 void step(replicas& r, way w, averager* dp, const gradavg::options& opts = {}) {
   r.backward();
 #ifdef GRADAVG_BENCH_MPI
-  gradavg::mpi::options mpi_opts;
-  static_cast<gradavg::options&>(mpi_opts) = opts;
+  const gradavg::mpi::options mpi_opts{opts.compute, opts.run, opts.check};
   if (w == way::one_shot) gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, r.models, mpi_opts);
 #else
   if (w == way::one_shot) gradavg::libtorch::average_module_gradients(r.models, opts);
@@ -112,8 +111,7 @@ void step(replicas& r, way w, averager* dp, const gradavg::options& opts = {}) {
 
 averager make_averager(replicas& r, const gradavg::options& opts, std::size_t bucket_bytes) {
 #ifdef GRADAVG_BENCH_MPI
-  gradavg::mpi::options mpi_opts;
-  static_cast<gradavg::options&>(mpi_opts) = opts;
+  const gradavg::mpi::options mpi_opts{opts.compute, opts.run, opts.check};
   return averager(MPI_COMM_WORLD, r.models, mpi_opts, gradavg::libtorch::module_options{},
                   gradavg::libtorch::bucket_options{.bytes = bucket_bytes});
 #else
@@ -147,7 +145,7 @@ void run(benchmark::State& state) {
   constexpr int steps_per_round = 4;
   torch::set_num_threads(1);
   gradavg::thread_pool pool(threads);
-  const gradavg::options opts{.threads = threads, .pool = threads > 1 ? &pool : nullptr};
+  const gradavg::options opts{.run = {.threads = threads, .pool = threads > 1 ? &pool : nullptr}};
   std::vector<std::unique_ptr<replicas>> sets;
   for (int w = 0; w < 3; ++w) sets.push_back(std::make_unique<replicas>(k_count, rows));
   averager dp = make_averager(*sets[2], opts, bucket_kib << 10);
@@ -183,7 +181,7 @@ void run(benchmark::State& state) {
 }
 
 // Args: {K, rows per replica, bucket KiB, averaging threads (a thread_pool of that many: one_shot's
-// and every bucket's options.threads and options.pool)}. Across processes: K replicas per rank,
+// and every bucket's options.run.threads and options.run.pool)}. Across processes: K replicas per rank,
 // more rows (the link, not the cores, is then what the backward passes overlap).
 #ifdef GRADAVG_BENCH_MPI
 BENCHMARK(run)->ArgsProduct({{1, 2}, {4, 16, 64}, {1024, 4096}, {1}})

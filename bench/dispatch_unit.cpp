@@ -12,7 +12,7 @@ double average(const tower_list<S>& towers, std::span<std::span<S>> means, std::
                const gradavg::options& opts) {
   const gradavg::summary s = squares.empty() ? gradavg::average_gradients_into(towers, means, opts)
                                              : gradavg::average_gradients_into(towers, means, squares, opts);
-  return opts.statistics ? s.sum_mean_squared : 0.0;
+  return opts.compute.statistics ? s.sum_mean_squared : 0.0;
 }
 
 gradavg::simd_level level_in_use() { return gradavg::simd_level_in_use(); }

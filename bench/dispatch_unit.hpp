@@ -20,7 +20,7 @@ template <class S>
 using tower_list = std::vector<std::vector<std::pair<std::span<const S>, int>>>;
 
 /// average_gradients_into over towers into means (and squares unless empty); returns the
-/// summary's sum of mean^2 with options.statistics, else 0.
+/// summary's sum of mean^2 with options.compute.statistics, else 0.
 template <class S>
 using average_fn = double (*)(const tower_list<S>&, std::span<std::span<S>> means, std::span<std::span<S>> squares,
                               const gradavg::options&);

@@ -1,7 +1,7 @@
 // Peers "gradavg" and "gradavg_nt": the library under test, through its public API only. The
 // nested range of (gradient, variable id) pairs is built once here, outside the timed loop.
 //
-// Options: the defaults, but for threads — options{.threads = n, .pool = &pool} with a
+// Options: the defaults, but for threads — options{.run = {.threads = n, .pool = &pool}} with a
 // gradavg::thread_pool(n) owned by the runner, so no thread is started in the timed loop — and,
 // for gradavg_nt, stores = store_policy::streaming (outputs written with non-temporal stores).
 #include <stdexcept>
@@ -20,9 +20,7 @@ namespace {
 struct gradavg_setup {
   gradavg_setup(int threads, bool streaming)
       : pool(checked(threads)),
-        opts{.threads = static_cast<std::size_t>(threads),
-             .stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular,
-             .pool = &pool} {}
+        opts{.run = {.threads = static_cast<std::size_t>(threads), .stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular, .pool = &pool}} {}
 
   static std::size_t checked(int threads) {
     if (threads < 1) throw std::runtime_error("gradavg: threads must be >= 1");

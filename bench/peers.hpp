@@ -48,12 +48,12 @@ std::string onednn_bf16_sum_implementation(std::size_t towers, std::size_t eleme
 
 #ifndef GRADAVG_BENCH_NO_GRADAVG
 /// gradavg::average_gradients_into over one variable per tower, default options but for
-/// threads and stores: options{.threads = n, .stores = store_policy::regular, .pool = &pool} with
+/// threads and stores: options{.run = {.threads = n, .stores = store_policy::regular, .pool = &pool}} with
 /// a gradavg::thread_pool(n) that the runner owns (created once, at construction).
 template <class S>
 std::unique_ptr<runner> make_gradavg(const problem<S>& p);
 
-/// As make_gradavg, with options.stores = store_policy::streaming (non-temporal stores).
+/// As make_gradavg, with options.run.stores = store_policy::streaming (non-temporal stores).
 template <class S>
 std::unique_ptr<runner> make_gradavg_nt(const problem<S>& p);
 
@@ -61,7 +61,7 @@ std::unique_ptr<runner> make_gradavg_nt(const problem<S>& p);
 template <class S>
 std::unique_ptr<runner> make_gradavg_vars(const var_problem<S>& p);
 
-/// As make_gradavg_vars, with options.stores = store_policy::streaming.
+/// As make_gradavg_vars, with options.run.stores = store_policy::streaming.
 template <class S>
 std::unique_ptr<runner> make_gradavg_nt_vars(const var_problem<S>& p);
 #endif

@@ -415,7 +415,7 @@ def write_table(path, ctx, recs, model_recs, args, paired=()):
         "Bytes are credited STREAM-style: mean (T+1)·P·sizeof, mean + squares (T+2)·P·sizeof, "
         "copy 2·P·sizeof, read-only sum P·sizeof (see bench/README.md). GB/s = 1e9 bytes/s.",
         "",
-        "- `gradavg`: default options (but for threads, the pool and `options.stores = "
+        "- `gradavg`: default options (but for threads, the pool and `options.run.stores = "
         "store_policy::regular`); `gradavg_nt`: `store_policy::streaming`. **best** names the faster of the two at that row: "
         "`gradavg-best`.",
         "- `vs <peer>`: peer time / gradavg-best time at the same op, type, T, P and threads "

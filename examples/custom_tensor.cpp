@@ -58,7 +58,7 @@ int main() {
 
   // 1. Allocating API: results are my_tensor, made through tensor_traits<my_tensor>::make.
   std::cout << "average_gradients:\n";
-  const auto avg = gradavg::average_gradients(tower_grads, {.include_square = true});
+  const auto avg = gradavg::average_gradients(tower_grads, gradavg::include_square);
   for (std::size_t i = 0; i < avg.gradients.size(); ++i) {
     std::cout << ' ' << avg.gradients[i].second << '\n';
     print("mean", avg.gradients[i].first);

@@ -18,7 +18,7 @@ int main() {
       {{w1, "dense/w"}, {b1, "dense/b"}, {std::nullopt, "embedding"}}};
 
   const Eigen::IOFormat flat(Eigen::StreamPrecision, Eigen::DontAlignCols, ", ", "; ", "", "", "[", "]");
-  auto avg = gradavg::average_gradients(tower_grads, {.include_square = true});
+  auto avg = gradavg::average_gradients(tower_grads, gradavg::include_square);
   for (std::size_t i = 0; i < avg.gradients.size(); ++i)
     std::cout << avg.gradients[i].second << ": mean " << avg.gradients[i].first.format(flat)
               << ", mean of squares " << avg.squares[i].first.format(flat) << '\n';

@@ -119,11 +119,12 @@ int train(const config& cfg) {
       // their ratio reported.
       // The plan keeps the first step's checks: the towers write into the same buffers every
       // step, so later steps compare pointers and sizes only.
-      const gradavg::summary summary = gradavg::average_gradients_into(
-          plan, tower_grads, means, {.statistics = true, .samples_per_tower = static_cast<double>(shard_size)});
+      const gradavg::summary summary =
+          gradavg::average_gradients_into(plan, tower_grads, means, {.compute = {.statistics = true}});
       if (towers > 1) {
-        trace_since_report += summary.noise().trace_covariance;
-        gradient_squared_since_report += summary.noise().gradient_squared;
+        const gradavg::noise_estimate noise = summary.noise(static_cast<double>(shard_size));
+        trace_since_report += noise.trace_covariance;
+        gradient_squared_since_report += noise.gradient_squared;
       }
 
       if (step == 0) {

@@ -10,7 +10,7 @@
 //    are small, and in deep networks many of them fall there (in this small model about 1% would:
 //    the output counts them). Multiplying the loss by a scale S before the backward pass multiplies
 //    every gradient by S and lifts them into the normal range; the averaging divides by S again
-//    (options.scale = 1 / S) in float, where small values are safe. Too large an S overflows
+//    (options.compute.scale = 1 / S) in float, where small values are safe. Too large an S overflows
 //    instead: a gradient beyond 65504 / S is +-Inf in binary16. GradScaler's schedule, followed
 //    here: S starts at 2^16; a step with a non-finite gradient is skipped and halves S;
 //    growth_interval steps in a row without one double S. S so stays just under the largest scale
@@ -26,11 +26,11 @@
 // loss times S, runs in float, and rounds its results to the 16-bit type, as a device hands its
 // gradients over. One gradavg::average_gradients_into call then
 //   - averages the 16-bit gradients into float outputs, the master gradients, weighted by each
-//     tower's sample count (options.weights): an epoch's last batch is short, and there a tower
+//     tower's sample count (options.compute.weights): an epoch's last batch is short, and there a tower
 //     may get fewer samples or none,
-//   - unscales them by 1 / S (options.scale),
-//   - reports non-finite gradients (options.on_nonfinite = report): GradScaler's found_inf,
-//   - computes the global norm and the gradient-noise statistics (options.statistics).
+//   - unscales them by 1 / S (options.compute.scale),
+//   - reports non-finite gradients (options.compute.on_nonfinite = report): GradScaler's found_inf,
+//   - computes the global norm and the gradient-noise statistics (options.compute.statistics).
 // A step taken updates the float master weights by SGD with momentum, the gradient multiplied by
 // summary.clip_coefficient(max_norm) in the update.
 //
@@ -372,9 +372,9 @@ run_result train(const problem& p, const config& cfg, grad_scaler scaler, const 
   std::vector<double> weights(static_cast<std::size_t>(towers));  // samples on each tower
 
   gradavg::options opts;
-  opts.weights = weights;
-  opts.on_nonfinite = gradavg::nonfinite_policy::report;
-  opts.statistics = true;
+  opts.compute.weights = weights;
+  opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+  opts.compute.statistics = true;
 
   if (!cfg.quiet) {
     std::printf("== %s\n", name);
@@ -415,8 +415,7 @@ run_result train(const problem& p, const config& cfg, grad_scaler scaler, const 
       totals.loss += batch_loss / batch;
       ++totals.steps;
 
-      opts.scale = 1.0 / loss_scale;
-      opts.samples_per_tower = static_cast<double>(batch) / towers;
+      opts.compute.scale = 1.0 / loss_scale;
       const gradavg::summary s = gradavg::average_gradients_into(tower_grads, means, opts);
 
       // GradScaler's found_inf: a non-finite unscaled gradient. The mean is non-finite where an
@@ -465,7 +464,7 @@ run_result train(const problem& p, const config& cfg, grad_scaler scaler, const 
       for_each_pair(model, velocity, [](auto& m, const auto& vel) { m -= learning_rate * vel; });
       totals.norm += s.global_norm();
       ++totals.taken;
-      const gradavg::noise_estimate noise = s.noise();
+      const gradavg::noise_estimate noise = s.noise(static_cast<double>(batch) / towers);
       if (std::isfinite(noise.trace_covariance) && std::isfinite(noise.gradient_squared)) {
         totals.trace_covariance += noise.trace_covariance;
         totals.gradient_squared += noise.gradient_squared;

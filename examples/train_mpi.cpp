@@ -89,8 +89,8 @@ int train(const config& cfg, int rank, int ranks) {
   auto means = outputs_of(tower_gradient[0]);
   gradavg::mpi::workspace work;  // fusion buffers kept from step to step
   gradavg::mpi::options opts;
-  opts.work = &work;
-  opts.statistics = true;
+  opts.exchange.work = &work;
+  opts.compute.statistics = true;
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet && rank == 0) {

@@ -165,7 +165,7 @@ TEST_CASE("the default check rejects the outputs of two variables swapped in pla
   CHECK(std::vector{g00, g01, g10, g11} == before);
 
   // The partial check, asked for by name, is documented to miss it.
-  gradavg::average_gradients_into(tg, means, {.aliasing = gradavg::alias_check::same_variable});
+  gradavg::average_gradients_into(tg, means, {.check = {.aliasing = gradavg::alias_check::same_variable}});
 }
 
 TEST_CASE("an in-place means output may not overlap the same variable's gradient on another tower") {
@@ -198,8 +198,8 @@ TEST_CASE("the full check agrees with a brute-force model on random layouts, wit
     INFO("round " << round);
     CHECK(rejected(l, arena, {}) == want);
     // The same layout twice through one cache: the second call may reuse the first's proof.
-    CHECK(rejected(l, arena, {.layout = &cache}) == want);
-    CHECK(rejected(l, arena, {.layout = &cache}) == want);
+    CHECK(rejected(l, arena, {.check = {.layout = &cache}}) == want);
+    CHECK(rejected(l, arena, {.check = {.layout = &cache}}) == want);
     // The same through one plan: proved by the first call where the layout is allowed, kept by
     // the second; every new layout is proved again.
     CHECK(rejected(l, arena, {}, &plan) == want);
@@ -220,21 +220,21 @@ TEST_CASE("a layout_cache detects a layout changed in one pointer") {
                  {{std::span<const float>(a1), 0}, {std::span<const float>(b1), 1}}};
   std::vector<std::span<float>> means{std::span<float>(ma), std::span<float>(mb)};
   gradavg::layout_cache cache;
-  for (int call = 0; call < 3; ++call) gradavg::average_gradients_into(tg, means, {.layout = &cache});
+  for (int call = 0; call < 3; ++call) gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}});
   CHECK(ma == std::vector<float>(8, 2.0f));
   CHECK(mb == std::vector<float>(8, 6.0f));
 
   SECTION("an output moved onto another variable's gradient") {
     means[1] = std::span<float>(a1);
     const auto msg =
-        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.layout = &cache}); });
+        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}); });
     CHECK(contains(msg, "variable #1 '1': the means output overlaps the gradient on tower 1 of variable #0 '0'"));
     CHECK(a1 == std::vector<float>(8, 3.0f));
   }
   SECTION("a gradient moved onto an output, same size") {
     tg[1][1].first = std::span<const float>(ma);
     const auto msg =
-        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.layout = &cache}); });
+        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}); });
     CHECK(contains(msg, "variable #0 '0': the means output overlaps the gradient on tower 1 of variable #1 '1'"));
   }
   SECTION("an output grown by one element into the next buffer") {
@@ -243,14 +243,14 @@ TEST_CASE("a layout_cache detects a layout changed in one pointer") {
     tg[0][0].first = std::span<const float>(joint.data() + 8, 8);  // joint[8, 16)
     tg[1][0].first = std::span<const float>(joint.data() + 8, 8);
     means[0] = std::span<float>(joint.data(), 8);  // joint[0, 8): touching, allowed
-    gradavg::average_gradients_into(tg, means, {.layout = &cache});
+    gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}});
     means[0] = std::span<float>(joint.data() + 1, 8);  // joint[1, 9): overlaps
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.layout = &cache}), gradavg::aliasing_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
   }
   SECTION("a failed call forgets the layout") {
     means[1] = std::span<float>(a1);
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.layout = &cache}), gradavg::aliasing_error);
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.layout = &cache}), gradavg::aliasing_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
   }
 }
 
@@ -260,10 +260,10 @@ TEST_CASE("a layout proved by a partial check is not reused by the full one") {
                        {{std::span<const float>(g10), 0}, {std::span<const float>(g11), 1}}};
   std::vector<std::span<float>> swapped{std::span<float>(g01), std::span<float>(g00)};
   gradavg::layout_cache cache;
-  gradavg::average_gradients_into(tg, swapped, {.aliasing = gradavg::alias_check::same_variable, .layout = &cache});
+  gradavg::average_gradients_into(tg, swapped, {.check = {.aliasing = gradavg::alias_check::same_variable, .layout = &cache}});
   g00 = std::vector<float>(4, 1.0f);
   g01 = std::vector<float>(4, 2.0f);
-  CHECK_THROWS_AS(gradavg::average_gradients_into(tg, swapped, {.layout = &cache}), gradavg::aliasing_error);
+  CHECK_THROWS_AS(gradavg::average_gradients_into(tg, swapped, {.check = {.layout = &cache}}), gradavg::aliasing_error);
 }
 
 TEST_CASE("variables are formatted only to build an error message") {
@@ -278,8 +278,8 @@ TEST_CASE("variables are formatted only to build an error message") {
   counted_var::printed = 0;
   counted_var::throws = true;  // a valid call must not even try
   for (auto mode : {gradavg::alias_check::all, gradavg::alias_check::same_variable, gradavg::alias_check::none})
-    CHECK(gradavg::average_gradients_into(tg, means, {.aliasing = mode}).averaged == variables);
-  gradavg::average_gradients(tg, {.include_square = true});
+    CHECK(gradavg::average_gradients_into(tg, means, {.check = {.aliasing = mode}}).averaged == variables);
+  gradavg::average_gradients(tg, gradavg::include_square);
   CHECK(counted_var::printed == 0);
   counted_var::throws = false;
 
@@ -324,16 +324,16 @@ TEST_CASE("average_gradients_into allocates nothing: small layouts on the stack,
       squares.emplace_back(q[i]);
     }
     gradavg::layout_cache cache;
-    gradavg::average_gradients_into(tg, means, squares, {.layout = &cache});  // sizes the cache
+    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});  // sizes the cache
     INFO(variables << " variables");
     allocations = 0;
-    gradavg::average_gradients_into(tg, means, squares, {.layout = &cache});
+    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});
     means[0] = std::span<float>(m[0]).first(16);  // same layout, new span objects
-    gradavg::average_gradients_into(tg, means, squares, {.layout = &cache});
+    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});
     CHECK(allocations == 0);
     allocations = 0;
-    gradavg::average_gradients_into(tg, means, squares, {.aliasing = gradavg::alias_check::none});
-    gradavg::average_gradients_into(tg, means, squares, {.aliasing = gradavg::alias_check::same_variable});
+    gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = gradavg::alias_check::none}});
+    gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = gradavg::alias_check::same_variable}});
     CHECK(allocations == 0);
     allocations = 0;
     gradavg::average_gradients_into(tg, means, squares);

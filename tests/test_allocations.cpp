@@ -43,7 +43,7 @@ TEST_CASE("the counter sees allocations on any thread") {
   const gradavg_test::workload w(4, {300000});  // 7.2 MB, worth 6 chunks
   auto means = w.outputs(), squares = w.outputs();
   // Threads started for the call allocate (docs/threads.md: "What allocates").
-  CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 4}); }) > 0);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.run = {.threads = 4}}); }) > 0);
 }
 
 TEST_CASE("average_gradients_into allocates nothing with threads = 1") {
@@ -53,7 +53,7 @@ TEST_CASE("average_gradients_into allocates nothing with threads = 1") {
   CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means); }) == 0);
   for (const auto check : {gradavg::alias_check::same_variable, gradavg::alias_check::none}) {
     INFO("alias check " << static_cast<int>(check));
-    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.aliasing = check}); }) == 0);
+    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.check = {.aliasing = check}}); }) == 0);
   }
   // In place into tower 0's gradients.
   auto towers = w.data;
@@ -71,7 +71,7 @@ TEST_CASE("a call with a plan that holds its proof allocates nothing") {
   gradavg::plan step;
   gradavg::average_gradients_into(step, w.tg, means, squares);  // the first call keeps the proof
   CHECK(allocations_during([&] { gradavg::average_gradients_into(step, w.tg, means, squares); }) == 0);
-  CHECK(allocations_during([&] { gradavg::average_gradients_into(step, w.tg, means, squares, {.threads = 1}); }) == 0);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(step, w.tg, means, squares, {.run = {.threads = 1}}); }) == 0);
   CHECK(step.proofs() == 1);
 }
 
@@ -82,10 +82,10 @@ TEST_CASE("average_gradients_into allocates nothing on a pool, on any of its thr
   Eigen::ThreadPool eigen_pool(3);
   gradavg::eigen_thread_pool_executor eigen(eigen_pool);
   for (gradavg::executor* exec : std::initializer_list<gradavg::executor*>{&pool, &eigen}) {
-    gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec});  // the first call may start things
-    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.pool = exec}); }) == 0);
+    gradavg::average_gradients_into(w.tg, means, squares, {.run = {.pool = exec}});  // the first call may start things
+    CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, {.run = {.pool = exec}}); }) == 0);
     CHECK(allocations_during(
-              [&] { gradavg::average_gradients_into(w.tg, means, squares, {.threads = 2, .pool = exec}); }) == 0);
+              [&] { gradavg::average_gradients_into(w.tg, means, squares, {.run = {.threads = 2, .pool = exec}}); }) == 0);
   }
 }
 
@@ -98,18 +98,13 @@ TEST_CASE("the fused step allocates nothing, on one thread or a pool") {
   for (gradavg::executor* exec : std::initializer_list<gradavg::executor*>{nullptr, &pool}) {
     INFO("pool " << (exec != nullptr));
     for (const auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
-      const gradavg::options opts{.weights = weights,
-                                  .scale = 0.125,
-                                  .on_nonfinite = policy,
-                                  .statistics = true,
-                                  .samples_per_tower = 32,
-                                  .per_variable = per_variable};
+      const gradavg::options opts{.compute = {.weights = weights, .scale = 0.125, .on_nonfinite = policy, .statistics = true, .per_variable = per_variable}};
       gradavg::options with_pool = opts;
-      with_pool.pool = exec;
+      with_pool.run.pool = exec;
       gradavg::average_gradients_into(w.tg, means, squares, with_pool);  // the first call may start things
       CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, squares, with_pool); }) == 0);
-      with_pool.range = {1000, 400000};
-      with_pool.accumulate = gradavg::accumulation::double_precision;
+      with_pool.compute.range = {1000, 400000};
+      with_pool.compute.accumulate = gradavg::accumulation::double_precision;
       CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, with_pool); }) == 0);
     }
   }

@@ -108,14 +108,14 @@ std::uint64_t case_hash(std::size_t towers, const std::vector<std::size_t>& size
     q.push_back(std::span<O>(squares[i]));
   }
   std::vector<gradavg::variable_statistics> per_variable(sizes.size());
-  opts.per_variable = per_variable;
+  opts.compute.per_variable = per_variable;
   const gradavg::summary s = gradavg::average_gradients_into(tg, m, q, opts);
   fnv1a h;
   for (const auto& v : means) h.add(v.data(), v.size() * sizeof(O));
   for (const auto& v : squares) h.add(v.data(), v.size() * sizeof(O));
   h.add(s.averaged);
   h.add(s.nonfinite_variables);
-  if (opts.statistics) {
+  if (opts.compute.statistics) {
     h.add(s.sum_mean_squared);
     h.add(s.sum_mean_of_squares);
     for (const auto& v : per_variable) {
@@ -135,12 +135,12 @@ void add_cases(std::vector<std::pair<std::string, std::uint64_t>>& out, const ch
     std::vector<double> weights;
     for (std::size_t k = 0; k < towers; ++k) weights.push_back(k % 3 == 1 ? 0.0 : 1.0 + 0.5 * static_cast<double>(k));
     if (towers == 1) weights[0] = 2.0;
-    gradavg::options fused{.scale = 0.375, .on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true};
-    fused.weights = weights;
+    gradavg::options fused{.compute = {.scale = 0.375, .on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true}};
+    fused.compute.weights = weights;
     out.emplace_back(prefix + "/fused", case_hash<S, O>(towers, sizes, false, fused));
     out.emplace_back(prefix + "/nonfinite", case_hash<S, O>(towers, sizes, true, fused));
     if constexpr (std::is_same_v<S, float>) {
-      fused.accumulate = gradavg::accumulation::double_precision;
+      fused.compute.accumulate = gradavg::accumulation::double_precision;
       out.emplace_back(prefix + "/fused_double", case_hash<S, O>(towers, sizes, false, fused));
     }
   }

@@ -81,7 +81,7 @@ TEST_CASE("a user tensor type works with both APIs") {
   const auto mean_scale = gradavg_test::magnitude<double>(ptrs, 63, false);
   const auto square_scale = gradavg_test::magnitude<double>(ptrs, 63, true);
 
-  const auto r = gradavg::average_gradients<user::matrix>(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients<user::matrix>(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 1);
   CHECK(r.gradients[0].first.rows == 7);
   CHECK(r.gradients[0].first.cols == 9);

@@ -83,7 +83,7 @@ run_result<O> run(const towers_of<S>& data, gradavg::options opts, bool squares)
     q.push_back(std::span<O>(r.squares[i]));
   }
   r.per_variable.resize(data[0].size());
-  opts.per_variable = r.per_variable;
+  opts.compute.per_variable = r.per_variable;
   if (squares)
     r.summary = gradavg::average_gradients_into(tg, m, q, opts);
   else
@@ -113,11 +113,11 @@ std::pair<long double, long double> reference(const towers_of<S>& data, std::siz
                                               const gradavg::options& opts, long double u) {
   long double sum = 0, magnitude = 0, weights = 0;
   for (std::size_t k = 0; k < data.size(); ++k) {
-    const long double w = opts.weights.empty() ? 1.0L : opts.weights[k];
+    const long double w = opts.compute.weights.empty() ? 1.0L : opts.compute.weights[k];
     const long double g = std::is_same_v<S, double> ? static_cast<long double>(data[k][i][j])
                                                     : static_cast<long double>(static_cast<float>(data[k][i][j]));
-    sum += w * opts.scale * g;
-    magnitude += std::fabs(w * opts.scale * g);
+    sum += w * opts.compute.scale * g;
+    magnitude += std::fabs(w * opts.compute.scale * g);
     weights += w;
   }
   const long double n = static_cast<long double>(data.size());
@@ -127,7 +127,7 @@ std::pair<long double, long double> reference(const towers_of<S>& data, std::siz
 /// The baseline's means against the long double reference, finite elements only.
 template <class S, class O>
 void check_against_reference(const towers_of<S>& data, const run_result<O>& r, const gradavg::options& opts) {
-  const bool double_sums = std::is_same_v<S, double> || opts.accumulate == gradavg::accumulation::double_precision;
+  const bool double_sums = std::is_same_v<S, double> || opts.compute.accumulate == gradavg::accumulation::double_precision;
   const long double u = double_sums ? std::ldexp(1.0L, -53) : std::ldexp(1.0L, -24);
   const long double output_ulp = std::is_same_v<O, double>        ? std::ldexp(1.0L, -52)
                                  : std::is_same_v<O, float>       ? std::ldexp(1.0L, -23)
@@ -158,10 +158,10 @@ void check_levels(const towers_of<S>& data, gradavg::options opts, bool squares)
   REQUIRE(gradavg::simd_level_in_use() == gradavg::simd_level::sse2);
   const auto baseline = run<O>(data, opts, squares);
   check_against_reference(data, baseline, opts);
-  if (opts.statistics) {
+  if (opts.compute.statistics) {
     // The sum of mean^2 against the outputs' own squares where the means are exact in O.
     if constexpr (std::is_same_v<O, S> && !std::is_same_v<S, Eigen::half> && !std::is_same_v<S, Eigen::bfloat16>) {
-      if (opts.accumulate == gradavg::accumulation::native && !baseline.summary.nonfinite()) {
+      if (opts.compute.accumulate == gradavg::accumulation::native && !baseline.summary.nonfinite()) {
         long double sum = 0;
         for (const auto& v : baseline.means)
           for (O x : v) sum += static_cast<long double>(x) * static_cast<long double>(x);
@@ -203,28 +203,28 @@ void check_element_type() {
     const auto data = make_towers<S>(towers, short_sizes, true, static_cast<unsigned>(towers));
     check_levels<S, O>(data, {}, false);
     check_levels<S, O>(data, {}, true);
-    gradavg::options fused{.on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true};
+    gradavg::options fused{.compute = {.on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true}};
     check_levels<S, O>(data, fused, false);
     std::vector<double> weights(weights17.begin(),
                                 weights17.begin() + static_cast<std::ptrdiff_t>(std::min<std::size_t>(towers, 17)));
     weights.resize(towers, 1.5);
-    fused.weights = weights;
-    fused.scale = 0.125;
+    fused.compute.weights = weights;
+    fused.compute.scale = 0.125;
     check_levels<S, O>(data, fused, true);
     if constexpr (std::is_same_v<S, float>) {
-      fused.accumulate = gradavg::accumulation::double_precision;
+      fused.compute.accumulate = gradavg::accumulation::double_precision;
       check_levels<S, O>(data, fused, true);
     }
   }
   for (std::size_t towers : {2, 16}) {
     INFO(towers << " towers, long variables");
     const auto data = make_towers<S>(towers, long_sizes, false, 99);
-    gradavg::options opts{.threads = 3, .statistics = true};
+    gradavg::options opts{.compute = {.statistics = true}, .run = {.threads = 3}};
     check_levels<S, O>(data, opts, true);
-    opts.stores = gradavg::store_policy::streaming;
+    opts.run.stores = gradavg::store_policy::streaming;
     check_levels<S, O>(data, opts, true);
-    opts.threads = 1;
-    opts.statistics = false;
+    opts.run.threads = 1;
+    opts.compute.statistics = false;
     check_levels<S, O>(data, opts, false);
   }
 }

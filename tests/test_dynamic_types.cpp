@@ -166,7 +166,7 @@ void check_element_type(std::size_t threads) {
   const auto values = random_gradients<S>(towers, 11);
   auto grads = tensors_of(values, towers);
   auto means = outputs_of<O>();
-  const gradavg::options opts{.threads = threads};
+  const gradavg::options opts{.run = {.threads = threads}};
   const gradavg::summary s = gradavg::average_gradients_into(towers_of(grads), means, opts);
   CHECK(s.averaged == 2);
   const auto want = static_means<S, O>(values, towers, opts);
@@ -212,7 +212,7 @@ TEST_CASE("run-time element types: the allocating API returns results of the gra
   const std::size_t towers = 4;
   const auto values = random_gradients<Eigen::bfloat16>(towers, 5);
   auto grads = tensors_of(values, towers);
-  const auto r = gradavg::average_gradients(towers_of(grads), {.include_square = true});
+  const auto r = gradavg::average_gradients(towers_of(grads), gradavg::include_square);
   REQUIRE(r.gradients.size() == 2);
   REQUIRE(r.squares.size() == 2);
   const auto want = static_means<Eigen::bfloat16, Eigen::bfloat16>(values, towers, {});
@@ -367,13 +367,13 @@ TEST_CASE("an exception from any tensor_traits function reaches the caller uncha
             grads[tower][1].fail = function;
           const auto before = means;
           const std::string message = gradavg_test::message_of<std::runtime_error>([&] {
-            gradavg::average_gradients_into(towers_of(grads), means, {.aliasing = aliasing, .threads = threads});
+            gradavg::average_gradients_into(towers_of(grads), means, {.run = {.threads = threads}, .check = {.aliasing = aliasing}});
           });
           CHECK(message == std::string("user: ") + function + " failed");
           CHECK(storage_unchanged<float>(means, before));
           if (std::strcmp(function, "mutable_data") != 0) {
             CHECK(gradavg_test::message_of<std::runtime_error>([&] {
-                    (void)gradavg::average_gradients(towers_of(grads), {.threads = threads});
+                    (void)gradavg::average_gradients(towers_of(grads), {.run = {.threads = threads}});
                   }) == message);
           }
         }
@@ -399,13 +399,13 @@ TEST_CASE("an exception from a tensor_traits function on a worker thread, in the
     }
     means.push_back(user::make_tensor(std::vector<float>(static_cast<std::size_t>(size)), {size}));
   }
-  const gradavg::options two_threads{.aliasing = gradavg::alias_check::none, .threads = 2};
+  const gradavg::options two_threads{.run = {.threads = 2}, .check = {.aliasing = gradavg::alias_check::none}};
   CHECK(gradavg_test::message_of<std::runtime_error>([&] {
           gradavg::average_gradients_into(towers_of(grads), means, two_threads);
         }) == "user: data on another thread");
 
   // On the caller's thread alone the same call succeeds: the exception came from the worker.
-  gradavg::average_gradients_into(towers_of(grads), means, {.aliasing = gradavg::alias_check::none, .threads = 1});
+  gradavg::average_gradients_into(towers_of(grads), means, {.run = {.threads = 1}, .check = {.aliasing = gradavg::alias_check::none}});
   for (std::size_t i = 0; i < variables; ++i) {
     const float* m = user::elements<float>(means[i]);
     CHECK(std::all_of(m, m + (i == 0 ? n : 1), [](float x) { return x == 2.0f; }));

@@ -220,7 +220,7 @@ template <class Result, bool MeansOnlyInto = false, class S, class MakeSlot>
 void check_all_apis(problem<S>& p, MakeSlot make_slot, std::size_t out_offset, const std::string& what) {
   const auto tg = make_tower_grads(p, make_slot);
 
-  const auto with_squares = gradavg::average_gradients(tg, {.include_square = true});
+  const auto with_squares = gradavg::average_gradients(tg, gradavg::include_square);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(with_squares.gradients[0].first)>, Result>);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(with_squares.squares[0].first)>, Result>);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(with_squares.gradients[0].second)>, std::string>);
@@ -487,7 +487,7 @@ TEMPLATE_TEST_CASE("Eigen: outer strides larger than the inner size are rejected
       problem<S> p({d}, T, 1, seed_of(d.size(), T, 1, 33));
       const auto tg = make_tower_grads(
           p, [&](std::size_t k, std::size_t) { return Outer(p.data(k, 0), d.rows, d.cols, Eigen::OuterStride<>(stride)); });
-      const auto result = gradavg::average_gradients(tg, {.include_square = true});
+      const auto result = gradavg::average_gradients(tg, gradavg::include_square);
       static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.gradients[0].first)>, M>);
       REQUIRE(result.gradients.size() == 1);
       p.require_matches(0, result.gradients[0].first.data(), false, "OuterStride map");
@@ -499,7 +499,7 @@ TEMPLATE_TEST_CASE("Eigen: outer strides larger than the inner size are rejected
     problem<S> p({{2, 1}}, T, 3, seed_of(2, T, 3, 34));
     const auto tg = make_tower_grads(
         p, [&](std::size_t k, std::size_t) { return Eigen::Map<VecX<S>, 0, Eigen::InnerStride<2>>(p.data(k, 0), 1); });
-    const auto result = gradavg::average_gradients(tg, {.include_square = true});
+    const auto result = gradavg::average_gradients(tg, gradavg::include_square);
     REQUIRE(result.gradients[0].first.size() == 1);
     // Only element 0 of each tower is read: compare with the reference's first element.
     const expectation<S> e(p.tower_data(0), 1);
@@ -682,7 +682,7 @@ TEST_CASE("Eigen: transposed gradients are row-major views: coefficient (i, j) i
   problem<S> p({{3, 7}}, T, 1, seed_of(21, T, 1, 45));
   const auto owned = owned_copies<MatX<S>>(p);
   const auto tg = make_tower_grads(p, [&](std::size_t k, std::size_t) { return owned[k][0].transpose(); });
-  const auto result = gradavg::average_gradients(tg, {.include_square = true});
+  const auto result = gradavg::average_gradients(tg, gradavg::include_square);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.gradients[0].first)>, MatXR<S>>);
   const MatXR<S>& mean = result.gradients[0].first;
   const MatXR<S>& square = result.squares[0].first;
@@ -719,7 +719,7 @@ TEMPLATE_TEST_CASE("Eigen: blocks and Ref<const MatrixX> to blocks are accepted 
 
   SECTION("leftCols: a contiguous Block") {
     const auto tg = make_tower_grads(p, [&](std::size_t k, std::size_t) { return owned[k][0].leftCols(3); });
-    const auto result = gradavg::average_gradients(tg, {.include_square = true});
+    const auto result = gradavg::average_gradients(tg, gradavg::include_square);
     static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.gradients[0].first)>, M>);
     REQUIRE(result.gradients[0].first.rows() == 5);
     REQUIRE(result.gradients[0].first.cols() == 3);
@@ -768,7 +768,7 @@ TEST_CASE("Eigen: the allocating API returns the PlainObject of the gradient typ
     const auto tg = make_tower_grads(pd, [&](std::size_t k, std::size_t i) {
       return Eigen::Ref<Eigen::VectorXd>(Eigen::Map<Eigen::VectorXd>(pd.data(k, i), rows_d(i)));
     });
-    const auto result = gradavg::average_gradients(tg, {.include_square = true});
+    const auto result = gradavg::average_gradients(tg, gradavg::include_square);
     static_assert(std::is_same_v<decltype(result.gradients[0].first), Eigen::VectorXd>);
     static_assert(std::is_same_v<decltype(result.squares[0].first), Eigen::VectorXd>);
     for (std::size_t i = 0; i < 2; ++i) {
@@ -817,7 +817,7 @@ TEMPLATE_TEST_CASE("Eigen: variables pair with their means, variables absent on 
     return (i == 1 || i == 3) ? nullptr : &owned[k][i];
   });
 
-  const auto result = gradavg::average_gradients(tg, {.include_square = true});
+  const auto result = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(result.gradients.size() == present.size());
   REQUIRE(result.squares.size() == present.size());
   for (std::size_t r = 0; r < present.size(); ++r) {

@@ -168,7 +168,7 @@ void check_both_apis(problem<typename Config::scalar, Config::rank>& p, MakeSlot
   using Tensor = typename Config::tensor;
   const auto tg = make_tower_grads<S>(p.towers, p.variables(), p.names, make_slot);
 
-  const auto result = gradavg::average_gradients(tg, {.include_square = true});
+  const auto result = gradavg::average_gradients(tg, gradavg::include_square);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.gradients[0].first)>, Tensor>);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.squares[0].first)>, Tensor>);
   check_allocated(p, result, what + ", average_gradients");
@@ -304,8 +304,8 @@ TEST_CASE("Eigen::Tensor: ColMajor and RowMajor gradients with the same coeffici
     tg_col[k].emplace_back(&col[k], "w");
     tg_row[k].emplace_back(&row[k], "w");
   }
-  const auto rc = gradavg::average_gradients(tg_col, {.include_square = true});
-  const auto rr = gradavg::average_gradients(tg_row, {.include_square = true});
+  const auto rc = gradavg::average_gradients(tg_col, gradavg::include_square);
+  const auto rr = gradavg::average_gradients(tg_row, gradavg::include_square);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(rc.gradients[0].first)>, Eigen::Tensor<S, 3, Eigen::ColMajor>>);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(rr.gradients[0].first)>, Eigen::Tensor<S, 3, Eigen::RowMajor>>);
   const double tol = gradavg_test::tolerance<S>(T);
@@ -483,7 +483,7 @@ TEST_CASE("Eigen::Tensor: results are Eigen::Tensor of the same rank and layout,
   const auto tg = make_tower_grads<S>(T, 3, p.names, [&](std::size_t k, std::size_t i) -> const G* {
     return i == 1 ? nullptr : &owned[k][i];
   });
-  const auto result = gradavg::average_gradients<G>(tg, {.include_square = true});
+  const auto result = gradavg::average_gradients<G>(tg, gradavg::include_square);
   static_assert(std::is_same_v<std::remove_cvref_t<decltype(result.gradients[0].first)>, G>);
   REQUIRE(result.gradients.size() == 2);
   REQUIRE(result.squares.size() == 2);
@@ -527,7 +527,7 @@ TEST_CASE("Eigen::TensorMap<Tensor<const float, N>> (TensorFlow's ConstTensor) r
   const auto tg = make_tower_grads<S>(T, 2, p.names, [&](std::size_t k, std::size_t i) {
     return const_elements(p.data(k, i), p.shapes[i]);
   });
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   STATIC_REQUIRE(std::is_same_v<decltype(r.gradients[0].first), Eigen::Tensor<S, 2, Eigen::RowMajor>>);
   check_allocated(p, r, "TensorMap<Tensor<const float, 2>>");
 }

@@ -45,20 +45,18 @@ void check_sweep(std::size_t towers) {
   const fused_towers<S> w(towers, sizes, absent, static_cast<std::uint32_t>(100 + towers));
   const std::vector<double> weights = uneven_weights(towers);
   gradavg::options opts;
-  opts.weights = weights;
-  opts.scale = 1.0 / 8;
-  opts.statistics = true;
-  opts.on_nonfinite = gradavg::nonfinite_policy::report;
-  opts.samples_per_tower = 64;
+  opts.compute.weights = weights;
+  opts.compute.scale = 1.0 / 8;
+  opts.compute.statistics = true;
+  opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
   const auto r = run_into<O>(w, opts);
-  const auto want = w.expect(weights, opts.scale);
+  const auto want = w.expect(weights, opts.compute.scale);
   const double tol = fused_tolerance<float>(towers);  // summed in float, then rounded once to O
   require_outputs_match(r.means, want, false, tol);
   require_outputs_match(r.squares, want, true, tol);
   require_statistics_match(r, want, tol, absent);
   CHECK(r.summary.averaged == sizes.size() - 1);
   CHECK(r.summary.nonfinite_variables == 0);
-  CHECK(r.summary.total_samples == 64.0 * static_cast<double>(towers));
 
   // Without weights and scale: the plain mean, rounded once.
   const auto plain = run_into<O>(w, {});
@@ -82,7 +80,7 @@ fused_run<O> run_spans(const fused_towers<S>& w, gradavg::options opts) {
     squares.push_back(std::span<O>(r.squares[i]));
   }
   r.per_variable.assign(w.variables(), untouched_entry);
-  opts.per_variable = r.per_variable;
+  opts.compute.per_variable = r.per_variable;
   r.summary = gradavg::average_gradients_into(tg, means, squares, opts);
   return r;
 }
@@ -114,7 +112,7 @@ fused_run<O> run_matrices(const fused_towers<S>& w, gradavg::options opts) {
   }
   fused_run<O> r;
   r.per_variable.assign(w.variables(), untouched_entry);
-  opts.per_variable = r.per_variable;
+  opts.compute.per_variable = r.per_variable;
   r.summary = gradavg::average_gradients_into(tg, means, squares, opts);
   for (std::size_t i = 0; i < w.variables(); ++i) {
     r.means.emplace_back(means[i].data(), means[i].data() + means[i].size());
@@ -130,10 +128,10 @@ void check_families(std::size_t towers) {
   const fused_towers<S> w(towers, {1, 7, 16, 33, 64, 65, 300}, {}, static_cast<std::uint32_t>(200 + towers));
   const std::vector<double> weights = uneven_weights(towers);
   gradavg::options opts;
-  opts.weights = weights;
-  opts.scale = 4;
-  opts.statistics = true;
-  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.compute.weights = weights;
+  opts.compute.scale = 4;
+  opts.compute.statistics = true;
+  opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
   const auto want = w.expect(weights, 4);
   const double tol = fused_tolerance<float>(towers);
   const auto vectors = run_into<O>(w, opts);
@@ -232,10 +230,9 @@ TEST_CASE("half and bfloat16 gradients in std::span and Eigen::Matrix") {
 TEST_CASE("the allocating API with 16-bit gradients returns 16-bit results") {
   const fused_towers<half> w(5, {3, 40, 130}, {}, 300);
   gradavg::options opts;
-  opts.include_square = true;
-  opts.scale = 0.5;
-  opts.statistics = true;
-  const auto result = gradavg::average_gradients(w.tg, opts);
+  opts.compute.scale = 0.5;
+  opts.compute.statistics = true;
+  const auto result = gradavg::average_gradients(w.tg, gradavg::include_square, opts);
   STATIC_REQUIRE(std::is_same_v<decltype(result.gradients[0].first), std::vector<half>>);
   const auto into = run_into<half>(w, opts);
   for (std::size_t i = 0; i < 3; ++i) {
@@ -255,8 +252,8 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
     for (half& x : tower[0]) x = std::numeric_limits<half>::max();
   h.data[32][0][5] = half(-65504.0f);
   gradavg::options opts;
-  opts.on_nonfinite = gradavg::nonfinite_policy::zero;
-  opts.statistics = true;
+  opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
+  opts.compute.statistics = true;
   const auto to_half = run_into<half>(h, opts);
   const auto to_float = run_into<float>(h, opts);
   const auto want = h.expect({}, 1.0);
@@ -271,24 +268,24 @@ TEST_CASE("16-bit inputs at the top of their range: a half sum never overflows f
   require_statistics_match(to_half, want, tol, h.absent);  // statistics from the float means, before rounding
 
   // Unscaled by a loss scale of 2^16: the same values, the scale folded into each input's weight.
-  opts.scale = 1.0 / 65536;
+  opts.compute.scale = 1.0 / 65536;
   const auto unscaled = run_into<half>(h, opts);
-  require_outputs_match(unscaled.means, h.expect({}, opts.scale), false, tol);
-  require_outputs_match(unscaled.squares, h.expect({}, opts.scale), true, tol);
+  require_outputs_match(unscaled.means, h.expect({}, opts.compute.scale), false, tol);
+  require_outputs_match(unscaled.squares, h.expect({}, opts.compute.scale), true, tol);
 
   // bfloat16 reaches float's range: two towers of 2^127 * 1.5 sum to +Inf in float. Reported as a
   // result, not as a non-finite input: the variable is not flagged and not zeroed.
   fused_towers<bf16> b(2, {20});
   for (auto& tower : b.data)
     for (bf16& x : tower[0]) x = bf16(0x1.8p127f);
-  opts.scale = 1;
+  opts.compute.scale = 1;
   const auto big = run_into<bf16>(b, opts);
   CHECK(big.summary.nonfinite_variables == 0);
   CHECK_FALSE(big.per_variable[0].nonfinite);
   CHECK(as_double(big.means[0][0]) == std::numeric_limits<double>::infinity());
   // With a scale (a loss scale being undone) the inputs are scaled before they are summed: the
   // same inputs unscaled by 2^16 do not overflow.
-  opts.scale = 1.0 / 65536;
+  opts.compute.scale = 1.0 / 65536;
   const auto unscaled_big = run_into<bf16>(b, opts);
   CHECK(as_double(unscaled_big.means[0][0]) == 0x1.8p127 / 65536);
   CHECK(unscaled_big.summary.nonfinite_variables == 0);
@@ -319,7 +316,7 @@ TEST_CASE("bfloat16 means in float's subnormal range round to nearest even, not 
         }
       }
       gradavg::options opts;
-      opts.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      opts.run.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
       const auto to_bf16 = run_into<bf16>(w, opts, false);
       const auto to_float = run_into<float>(w, opts, false);
       std::size_t wrong = 0, subnormal_results = 0;
@@ -347,11 +344,11 @@ TEST_CASE("16-bit gradients are summed in float: a scale or weight beyond float'
   auto r = run_into<bf16>(w, {});
   const auto before = r.means;
   const std::vector<double> large{1, 1e39};
-  CHECK_THROWS_AS(gradavg::average_gradients_into(w.tg, r.means, {.scale = 1e39}), gradavg::option_error);
-  const auto msg = message_of<gradavg::weight_error>([&] { gradavg::average_gradients_into(w.tg, r.means, {.weights = large}); });
+  CHECK_THROWS_AS(gradavg::average_gradients_into(w.tg, r.means, {.compute = {.scale = 1e39}}), gradavg::option_error);
+  const auto msg = message_of<gradavg::weight_error>([&] { gradavg::average_gradients_into(w.tg, r.means, {.compute = {.weights = large}}); });
   CHECK(contains(msg, "tower 1"));
   CHECK(same_bits_all(r.means, before));
-  CHECK_THROWS_AS(gradavg::average_gradients(w.tg, {.scale = 1e39}), gradavg::option_error);
+  CHECK_THROWS_AS(gradavg::average_gradients(w.tg, {.compute = {.scale = 1e39}}), gradavg::option_error);
 }
 
 TEST_CASE("16-bit non-finite inputs: NaN and +-Inf at packet boundaries, in a tower past 16, beside a skipped variable") {
@@ -365,8 +362,8 @@ TEST_CASE("16-bit non-finite inputs: NaN and +-Inf at packet boundaries, in a to
     fused_towers<bf16> b(towers, sizes, absent, 401);
     for (const auto policy : {gradavg::nonfinite_policy::report, gradavg::nonfinite_policy::zero}) {
       gradavg::options opts;
-      opts.on_nonfinite = policy;
-      opts.statistics = true;
+      opts.compute.on_nonfinite = policy;
+      opts.compute.statistics = true;
       const auto clean_h = run_into<half>(h, opts);
       const auto clean_hf = run_into<float>(h, opts);
       const auto clean_b = run_into<bf16>(b, opts);
@@ -389,18 +386,17 @@ TEST_CASE("16-bit results are bitwise identical for 1, 2, 3 and 8 threads and a 
     const fused_towers<half> w(3, {3, 400003, 17, 500001, 1, 7}, {false, false, false, false, false, true}, 500);
     const std::vector<double> weights{1, 2, 1};
     gradavg::options opts;
-    opts.weights = weights;
-    opts.scale = 1.0 / 128;
-    opts.statistics = true;
-    opts.on_nonfinite = gradavg::nonfinite_policy::report;
+    opts.compute.weights = weights;
+    opts.compute.scale = 1.0 / 128;
+    opts.compute.statistics = true;
+    opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
     require_same_for_every_thread_count<half>(w, opts, fused_tolerance<float>(3));
   }
   SECTION("bfloat16, T = 17, float outputs") {
     const fused_towers<bf16> w(17, {5, 120000, 33, 40000}, {}, 501);
     gradavg::options opts;
-    opts.statistics = true;
-    opts.on_nonfinite = gradavg::nonfinite_policy::zero;
-    opts.samples_per_tower = 2;
+    opts.compute.statistics = true;
+    opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
     require_same_for_every_thread_count<float>(w, opts, fused_tolerance<float>(17));
   }
   SECTION("bfloat16, T = 5 and 20, bfloat16 outputs") {
@@ -410,9 +406,9 @@ TEST_CASE("16-bit results are bitwise identical for 1, 2, 3 and 8 threads and a 
       const fused_towers<bf16> w(towers, {7, 150001, 31, 170003}, {false, false, true, false},
                                  static_cast<std::uint32_t>(502 + towers));
       gradavg::options opts;
-      opts.statistics = true;
-      opts.scale = 0.5;
-      opts.on_nonfinite = gradavg::nonfinite_policy::report;
+      opts.compute.statistics = true;
+      opts.compute.scale = 0.5;
+      opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
       require_same_for_every_thread_count<bf16>(w, opts, fused_tolerance<float>(towers));
     }
   }
@@ -436,13 +432,13 @@ void check_streaming(const gradavg::options& base) {
     for (std::size_t k = 0; k < towers; ++k) tg[k].push_back({std::span<const S>(data[k]), 0});
     for (bool statistics : {false, true}) {
       gradavg::options opts = base;
-      opts.statistics = statistics;
+      opts.compute.statistics = statistics;
       std::vector<O> want_mean(n), want_square(n);
       {
         std::vector<std::span<O>> m{std::span<O>(want_mean)}, q{std::span<O>(want_square)};
         gradavg::average_gradients_into(tg, m, q, opts);
       }
-      opts.stores = gradavg::store_policy::streaming;
+      opts.run.stores = gradavg::store_policy::streaming;
       constexpr std::size_t line = 64 / sizeof(O);
       for (std::size_t offset = 0; offset < line; ++offset) {
         INFO("T = " << towers << ", statistics " << statistics << ", output offset " << offset);
@@ -468,7 +464,7 @@ TEST_CASE("streaming stores into 16-bit outputs and float outputs of double sums
   check_streaming<bf16, bf16>({});
   check_streaming<half, float>({});
   check_streaming<bf16, float>({});
-  check_streaming<float, float>({.accumulate = gradavg::accumulation::double_precision});
+  check_streaming<float, float>({.compute = {.accumulate = gradavg::accumulation::double_precision}});
 }
 
 namespace {
@@ -511,7 +507,7 @@ void check_nan_bits(std::size_t towers) {
     for (const std::size_t threads : {std::size_t{1}, std::size_t{2}}) {
       INFO("streaming " << streaming << ", threads " << threads);
       const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
-      const auto r = run_into<O>(w, {.threads = threads, .stores = stores});
+      const auto r = run_into<O>(w, {.run = {.threads = threads, .stores = stores}});
       for (std::size_t i = 0; i < w.variables(); ++i)
         for (std::size_t j = 0; j < w.sizes[i]; ++j) {
           INFO("variable " << i << ", element " << j);

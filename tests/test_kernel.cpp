@@ -52,7 +52,7 @@ TEMPLATE_TEST_CASE("every kernel path gives the same bits, within tolerance of t
       std::vector<std::span<S>> m{std::span<S>(mean_storage.data() + offset, n)};
       std::vector<std::span<S>> q{std::span<S>(square_storage.data() + (offset + 1) % 4, n)};
       const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
-      gradavg::average_gradients_into(tg, m, q, {.stores = stores});
+      gradavg::average_gradients_into(tg, m, q, {.run = {.stores = stores}});
       CHECK(gradavg_test::same_bits(m[0].data(), base_mean.data(), n));
       CHECK(gradavg_test::same_bits(q[0].data(), base_square.data(), n));
       CHECK(mean_storage[offset + n] == S(-1));  // nothing written past the end
@@ -121,7 +121,7 @@ TEMPLATE_TEST_CASE("a NaN result is the default quiet NaN on every path, thread 
       std::vector<S> mean(n), square(n);
       std::vector<std::span<S>> m{std::span<S>(mean)}, q{std::span<S>(square)};
       const auto stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
-      gradavg::average_gradients_into(tg, m, q, {.threads = threads, .stores = stores, .pool = &pool});
+      gradavg::average_gradients_into(tg, m, q, {.run = {.threads = threads, .stores = stores, .pool = &pool}});
       std::size_t nan_means = 0, nan_squares = 0, wrong = 0;
       for (std::size_t j = 0; j < n; ++j) {
         // Squares of +inf and -inf add up to +inf: only the means are NaN there.
@@ -167,7 +167,7 @@ TEMPLATE_TEST_CASE("an element rounds alike in a tail and inside whole steps", "
 // ahead (detail/kernel.hpp); smaller ones do not. Both must give every element's bits: a large
 // call's means are checked against the scalar sum in tower order, its squares (and statistics)
 // against the long-double reference, and all against the same elements averaged as buckets too
-// small to prefetch (options.range).
+// small to prefetch (options.compute.range).
 TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and those of small calls", "", float,
                    double, Eigen::half, Eigen::bfloat16) {
   using S = TestType;
@@ -188,10 +188,10 @@ TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and
     data.push_back(gradavg_test::random_values<S>(n, static_cast<std::uint32_t>(900 + k)));
     tg[k].push_back({std::span<const S>(data[k]), 0});
   }
-  gradavg::options opts{.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular};
+  gradavg::options opts{.run = {.stores = streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular}};
   if (fused) {
-    opts.statistics = true;
-    opts.on_nonfinite = gradavg::nonfinite_policy::report;
+    opts.compute.statistics = true;
+    opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
   }
   std::vector<S> mean(n), square(n);
   gradavg::summary r;
@@ -226,7 +226,7 @@ TEMPLATE_TEST_CASE("calls large enough to prefetch give the reference's bits and
   for (std::size_t begin = 0; begin < n; begin += bucket) {
     std::vector<std::span<S>> m{std::span<S>(bucket_mean)}, q{std::span<S>(bucket_square)};
     gradavg::options part = opts;
-    part.range = {begin, begin + bucket};
+    part.compute.range = {begin, begin + bucket};
     gradavg::average_gradients_into(tg, m, q, part);
   }
   CHECK(gradavg_test::same_bits(mean.data(), bucket_mean.data(), n));
@@ -316,7 +316,7 @@ TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for b
     for (std::size_t j = 0; j < n; j += 3) REQUIRE(std::signbit(want[j]));
     std::vector<std::vector<S>> mean{std::vector<S>(n)}, square{std::vector<S>(n)};
     if (weighted)
-      gradavg::average_gradients_into(tg, mean, square, {.weights = weights, .statistics = true});
+      gradavg::average_gradients_into(tg, mean, square, {.compute = {.weights = weights, .statistics = true}});
     else
       gradavg::average_gradients_into(tg, mean, square);
     CHECK(gradavg_test::same_bits(mean[0].data(), want.data(), n));
@@ -352,7 +352,7 @@ TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for b
         want[j] = sum / static_cast<S>(weight_sum);
       }
       std::vector<std::vector<S>> mean{std::vector<S>(n)};
-      gradavg::average_gradients_into(tg, mean, {.weights = weights});
+      gradavg::average_gradients_into(tg, mean, {.compute = {.weights = weights}});
       CHECK(gradavg_test::same_bits(mean[0].data(), want.data(), n));
     }
   }
@@ -360,12 +360,12 @@ TEMPLATE_TEST_CASE("a mean is the in-order sum divided by the divisor, bit for b
 
 TEST_CASE("store_policy::automatic streams from streaming_threshold_bytes on, with the same bits") {
   gradavg::options opts;
-  CHECK(opts.stores == gradavg::store_policy::automatic);
+  CHECK(opts.run.stores == gradavg::store_policy::automatic);
   CHECK(!gradavg::detail::streams(opts, gradavg::streaming_threshold_bytes - 1));
   CHECK(gradavg::detail::streams(opts, gradavg::streaming_threshold_bytes));
-  opts.stores = gradavg::store_policy::regular;
+  opts.run.stores = gradavg::store_policy::regular;
   CHECK(!gradavg::detail::streams(opts, std::size_t{1} << 40));
-  opts.stores = gradavg::store_policy::streaming;
+  opts.run.stores = gradavg::store_policy::streaming;
   CHECK(gradavg::detail::streams(opts, 1));
 
   // Two towers and a mean of 16 Mi floats move 192 MiB: automatic streams, below it regular.
@@ -376,8 +376,8 @@ TEST_CASE("store_policy::automatic streams from streaming_threshold_bytes on, wi
   REQUIRE(3 * n * sizeof(float) >= gradavg::streaming_threshold_bytes);
   std::vector<float> automatic(n), regular(n);
   std::vector<std::span<float>> m_automatic{std::span<float>(automatic)}, m_regular{std::span<float>(regular)};
-  gradavg::average_gradients_into(tg, m_automatic, {.threads = 2});
-  gradavg::average_gradients_into(tg, m_regular, {.threads = 2, .stores = gradavg::store_policy::regular});
+  gradavg::average_gradients_into(tg, m_automatic, {.run = {.threads = 2}});
+  gradavg::average_gradients_into(tg, m_regular, {.run = {.threads = 2, .stores = gradavg::store_policy::regular}});
   CHECK(gradavg_test::same_bits(automatic.data(), regular.data(), n));
   for (const std::size_t i : {std::size_t{0}, n / 3, n - 1}) CHECK(automatic[i] == (a[i] + b[i]) / 2);
 }

@@ -79,7 +79,7 @@ TEST_CASE("towers of views::transform yielding (span, name) pairs by value") {
   }
   const auto summary = gradavg::average_gradients_into(tg, means, squares);
   CHECK(summary.averaged == m.sizes.size());
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == m.sizes.size());
   for (std::size_t i = 0; i < m.sizes.size(); ++i) {
     const auto e = m.expect(i);

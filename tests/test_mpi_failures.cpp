@@ -279,10 +279,10 @@ TEST_CASE("a tensor_traits call that fails at any point on one rank: its error t
         auto means = outputs_of(out, 0, v);
         auto squares_out = outputs_of(out, v, v);
         gradavg::mpi::options opts;
-        opts.fusion_bytes = 4 * 64;  // several buckets
-        opts.work = &work;
-        opts.statistics = true;
-        opts.on_nonfinite = gradavg::nonfinite_policy::report;
+        opts.exchange.fusion_bytes = 4 * 64;  // several buckets
+        opts.exchange.work = &work;
+        opts.compute.statistics = true;
+        opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
         guarded([&] {
           if (squares)
             gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, means, squares_out, opts);
@@ -311,10 +311,10 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
         out = l.outputs();
         before = hash_of(out);
         gradavg::mpi::options opts;
-        opts.fusion_bytes = 4 * 64;
-        opts.statistics = true;
-        opts.exchange = how;
-        if (with_workspace) opts.work = &work;
+        opts.exchange.fusion_bytes = 4 * 64;
+        opts.compute.statistics = true;
+        opts.exchange.method = how;
+        if (with_workspace) opts.exchange.work = &work;
         const auto tg = l.towers();
         guarded([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, out, opts); });
       };
@@ -328,10 +328,11 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
       before = hash_of(out);
       const auto tg = l.towers();
       gradavg::mpi::options opts;
-      opts.include_square = true;
-      opts.fusion_bytes = 4 * 64;
+      opts.exchange.fusion_bytes = 4 * 64;
       std::size_t averaged = 0;
-      guarded([&] { averaged = gradavg::mpi::average_gradients(MPI_COMM_WORLD, tg, opts).gradients.size(); });
+      guarded([&] {
+        averaged = gradavg::mpi::average_gradients(MPI_COMM_WORLD, tg, gradavg::include_square, opts).gradients.size();
+      });
       CHECK(averaged == 3);
     };
     CHECK(inject_everywhere(allocation_failure, failing, true, allocating) > 3);
@@ -358,11 +359,11 @@ TEST_CASE("an executor that fails at any call on one rank, before or after a tas
         before = hash_of(out);
         const auto tg = l.towers();
         gradavg::mpi::options opts;
-        opts.fusion_bytes = std::size_t{2} << 20;
-        opts.work = &work;
-        opts.threads = 2;
-        opts.pool = &pool;
-        opts.exchange = how;
+        opts.exchange.fusion_bytes = std::size_t{2} << 20;
+        opts.exchange.work = &work;
+        opts.run.threads = 2;
+        opts.run.pool = &pool;
+        opts.exchange.method = how;
         guarded([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, out, opts); });
       };
       // Outputs are then partly written (the data had started to move): not compared.
@@ -417,10 +418,10 @@ TEST_CASE("the statistics do not depend on the bucket size: the same bits for ev
     auto out = l.outputs();
     auto sq = l.outputs();
     gradavg::mpi::options opts;
-    opts.fusion_bytes = fusion_bytes;
-    opts.statistics = true;
-    opts.scale = 0.3;
-    opts.per_variable = per;
+    opts.exchange.fusion_bytes = fusion_bytes;
+    opts.compute.statistics = true;
+    opts.compute.scale = 0.3;
+    opts.compute.per_variable = per;
     return gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, out, sq, opts);
   };
   std::vector<gradavg::variable_statistics> first_per(l.sizes.size());

@@ -73,26 +73,26 @@ TEST_CASE("a plan gives the bits of the same call without one, step after step")
       }
     gradavg::options opts;
     if (s >= 2) {  // the fused step, with options that change from step to step
-      opts.weights = weights[s % 2];
-      opts.scale = s % 2 == 0 ? 0.5 : 2.0;
-      opts.statistics = true;
-      opts.on_nonfinite = gradavg::nonfinite_policy::report;
-      opts.threads = static_cast<std::size_t>(s % 3 + 1);
+      opts.compute.weights = weights[s % 2];
+      opts.compute.scale = s % 2 == 0 ? 0.5 : 2.0;
+      opts.compute.statistics = true;
+      opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+      opts.run.threads = static_cast<std::size_t>(s % 3 + 1);
     }
-    if (s == 5) opts.range = {50, 9000};
+    if (s == 5) opts.compute.range = {50, 9000};
     std::vector<grads> means = w.outputs(), squares = w.outputs();
     for (auto* outputs : {&kept_means, &kept_squares})
       for (auto& o : *outputs) std::fill(o.begin(), o.end(), -1.0f);  // the same buffers, every step
     gradavg::options planned = opts, plain = opts;
-    planned.per_variable = per_variable;
-    plain.per_variable = per_variable_plain;
+    planned.compute.per_variable = per_variable;
+    plain.compute.per_variable = per_variable_plain;
     const gradavg::summary with_plan = gradavg::average_gradients_into(step, w.tg, kept_means, kept_squares, planned);
     const gradavg::summary without = gradavg::average_gradients_into(w.tg, means, squares, plain);
     CHECK(bitwise_equal(kept_means, means));
     CHECK(bitwise_equal(kept_squares, squares));
     CHECK(with_plan.averaged == without.averaged);
     CHECK(with_plan.skipped == without.skipped);
-    if (opts.statistics) {
+    if (opts.compute.statistics) {
       CHECK(std::memcmp(&with_plan.sum_mean_squared, &without.sum_mean_squared, sizeof(double)) == 0);
       CHECK(std::memcmp(&with_plan.sum_mean_of_squares, &without.sum_mean_of_squares, sizeof(double)) == 0);
       for (std::size_t i = 0; i < per_variable.size(); ++i)
@@ -142,13 +142,13 @@ TEST_CASE("a plan over unchanged buffers proves once and checks each step") {
   }
   SECTION("a stronger overlap check than the one proved is run") {
     gradavg::plan weak;
-    gradavg::average_gradients_into(weak, w.tg, means, squares, {.aliasing = gradavg::alias_check::none});
-    gradavg::average_gradients_into(weak, w.tg, means, squares, {.aliasing = gradavg::alias_check::none});
+    gradavg::average_gradients_into(weak, w.tg, means, squares, {.check = {.aliasing = gradavg::alias_check::none}});
+    gradavg::average_gradients_into(weak, w.tg, means, squares, {.check = {.aliasing = gradavg::alias_check::none}});
     CHECK(weak.proofs() == 1);
     gradavg::average_gradients_into(weak, w.tg, means, squares);
     CHECK(weak.proofs() == 2);
     // A full proof covers the partial checks.
-    gradavg::average_gradients_into(weak, w.tg, means, squares, {.aliasing = gradavg::alias_check::same_variable});
+    gradavg::average_gradients_into(weak, w.tg, means, squares, {.check = {.aliasing = gradavg::alias_check::same_variable}});
     CHECK(weak.proofs() == 2);
   }
   SECTION("clear() forgets the proof") {
@@ -214,12 +214,10 @@ TEST_CASE("a changed buffer meets every check with a plan, nothing is written, a
   }
   SECTION("options that fail their checks") {
     const double weights[] = {1, -1};
-    CHECK_THROWS_AS(gradavg::average_gradients_into(step, v.tg, v.means, {.weights = weights}), gradavg::weight_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(step, v.tg, v.means, {.compute = {.weights = weights}}), gradavg::weight_error);
     untouched();
     gradavg::layout_cache cache;
-    CHECK_THROWS_AS(gradavg::average_gradients_into(step, v.tg, v.means, {.layout = &cache}), gradavg::option_error);
-    CHECK_THROWS_AS(gradavg::average_gradients_into(step, v.tg, v.means, {.include_square = true}),
-                    gradavg::output_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(step, v.tg, v.means, {.check = {.layout = &cache}}), gradavg::option_error);
     untouched();
   }
   // After any failure, a valid call proves again and averages.

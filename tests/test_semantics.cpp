@@ -39,12 +39,19 @@ TEST_CASE("mean of squares is the mean over towers of g*g, not the square of the
   const grads a0{1, -2, 3}, a1{3, 2, -1};
   const std::vector<tower> tg{{{&a0, "a"}}, {{&a1, "a"}}};
 
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 1);
   REQUIRE(r.squares.size() == 1);
   CHECK(r.gradients[0].first == grads{2, 0, 1});
   CHECK(r.squares[0].first == grads{5, 4, 5});  // (1+9)/2, (4+4)/2, (9+1)/2
   CHECK(r.squares[0].second == "a");
+
+  // Without the tag: means only; {} is the options, whatever overloads exist.
+  const auto plain = gradavg::average_gradients(tg, {});
+  CHECK(plain.gradients[0].first == grads{2, 0, 1});
+  CHECK(plain.squares.empty());
+  const auto grouped = gradavg::average_gradients(tg, gradavg::include_square, {.run = {.threads = 1}});
+  CHECK(grouped.squares[0].first == grads{5, 4, 5});
 }
 
 TEST_CASE("a gradient absent on every tower skips the variable and reports it") {
@@ -52,7 +59,7 @@ TEST_CASE("a gradient absent on every tower skips the variable and reports it") 
   const std::vector<tower> tg{{{&a0, "a"}, {nullptr, "frozen"}, {&c0, "c"}},
                               {{&a1, "a"}, {nullptr, "frozen"}, {&c1, "c"}}};
 
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 2);
   CHECK(r.gradients[0].second == "a");
   CHECK(r.gradients[0].first == grads{2, 3});
@@ -77,7 +84,7 @@ TEST_CASE("a gradient absent on some towers only is an error") {
 TEST_CASE("one tower: the mean is the gradient and the square its square") {
   const auto g = gradavg_test::random_values<float>(37, 7);
   const std::vector<tower> tg{{{&g, "w"}}};
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 1);
   CHECK(r.gradients[0].first == g);
   for (std::size_t j = 0; j < g.size(); ++j) CHECK(r.squares[0].first[j] == g[j] * g[j]);
@@ -102,7 +109,7 @@ TEST_CASE("variables: results carry tower 0's variable") {
 
 TEST_CASE("no variables gives an empty result") {
   const std::vector<tower> tg(3);
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   CHECK(r.gradients.empty());
   CHECK(r.squares.empty());
   CHECK(r.skipped.empty());
@@ -124,7 +131,7 @@ TEST_CASE("random towers against the double reference, for both APIs") {
   const auto mean_scale = gradavg_test::magnitude<float>(ptrs, n, false);
   const auto square_scale = gradavg_test::magnitude<float>(ptrs, n, true);
 
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   CHECK(gradavg_test::first_mismatch(r.gradients[0].first.data(), want.mean, mean_scale, tower_count) == n);
   CHECK(gradavg_test::first_mismatch(r.squares[0].first.data(), want.square, square_scale, tower_count) == n);
 
@@ -172,7 +179,7 @@ TEST_CASE("means and squares follow their variable past skipped variables, in bo
     return true;
   };
 
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 3);
   REQUIRE(r.squares.size() == 3);
   REQUIRE(r.skipped.size() == 2);

@@ -86,7 +86,7 @@ TEST_CASE("tensors: std::span and std::array") {
   SECTION("array results are std::array") {
     using a3 = std::array<float, 3>;
     const std::vector<std::vector<std::pair<a3, int>>> tg{{{a3{1, 2, 3}, 0}}, {{a3{5, 6, 7}, 0}}};
-    const auto r = gradavg::average_gradients(tg, {.include_square = true});
+    const auto r = gradavg::average_gradients(tg, gradavg::include_square);
     CHECK(r.gradients[0].first == a3{3, 4, 5});
     CHECK(r.squares[0].first == a3{13, 20, 29});
   }
@@ -128,7 +128,7 @@ TEST_CASE("_into outputs: tensors, spans, pointers, skipped outputs untouched, s
   SECTION("spans into one flat buffer") {
     grads flat(3, -1);
     std::vector<std::span<float>> means{std::span<float>(flat.data(), 2), {}, std::span<float>(flat.data() + 2, 1)};
-    gradavg::average_gradients_into(tg, means, {.aliasing = gradavg::alias_check::all});
+    gradavg::average_gradients_into(tg, means, {.check = {.aliasing = gradavg::alias_check::all}});
     CHECK(flat == grads{2, 2, 1});
   }
 }

@@ -83,11 +83,11 @@ TEST_CASE("threads started for the call that cannot start leave their chunks to 
     // 2 towers of 6M floats, means only: 72 MB, worth 64 chunks of 1 MiB.
     const workload w(2, {6000000});
     std::vector<gradavg_test::grads> serial = w.outputs(), threaded = w.outputs();
-    gradavg::average_gradients_into(w.tg, serial, {.threads = 1});
+    gradavg::average_gradients_into(w.tg, serial, {.run = {.threads = 1}});
     // Room for a few more thread stacks, far from 63.
     if (!gradavg_test::limit_address_space(gradavg_test::address_space_in_use() + (std::size_t{64} << 20)))
       return int{limit_not_set};
-    gradavg::average_gradients_into(w.tg, threaded, {.threads = 64});
+    gradavg::average_gradients_into(w.tg, threaded, {.run = {.threads = 64}});
     if (startable_threads(63) == 63) return int{limit_did_not_bite};
     return bitwise_equal(threaded, serial) ? int{passed} : int{wrong_result};
   });
@@ -102,9 +102,9 @@ namespace {
 /// pool; every result must equal the serial one.
 int nested_use_on(gradavg::executor& pool) {
   const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
-  const auto serial = w.run({.threads = 1});
+  const auto serial = w.run({.run = {.threads = 1}});
   std::vector<std::pair<std::vector<gradavg_test::grads>, std::vector<gradavg_test::grads>>> results(6);
-  auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = &pool}); };
+  auto task = [&](std::size_t i) { results[i] = w.run({.run = {.threads = 3, .pool = &pool}}); };
   pool.parallel_for(results.size(), gradavg::task_ref(task));
   for (const auto& r : results)
     if (!bitwise_equal(r.first, serial.first) || !bitwise_equal(r.second, serial.second)) return int{wrong_result};

@@ -98,12 +98,12 @@ std::vector<executor_under_test> executors_under_test(std::size_t threads) {
 void check_like_serial(const workload& w, const std::pair<std::vector<grads>, std::vector<grads>>& serial,
                        std::size_t threads, const std::vector<executor_under_test>& executors) {
   INFO("threads = " << threads);
-  const auto started = w.run({.threads = threads});  // threads started for the call
+  const auto started = w.run({.run = {.threads = threads}});  // threads started for the call
   CHECK(bitwise_equal(started.first, serial.first));
   CHECK(bitwise_equal(started.second, serial.second));
   for (const auto& e : executors) {
     INFO(e.name);
-    const auto pooled = w.run({.threads = threads, .pool = e.exec});
+    const auto pooled = w.run({.run = {.threads = threads, .pool = e.exec}});
     CHECK(bitwise_equal(pooled.first, serial.first));
     CHECK(bitwise_equal(pooled.second, serial.second));
   }
@@ -172,33 +172,33 @@ TEST_CASE("bitwise identical results for 1, 2, 3 and 8 threads, on every executo
     check_like_serial(w, serial, threads, executors);
     INFO("threads = " << threads);
     counting_executor counting;
-    const auto counted = w.run({.threads = threads, .pool = &counting});
+    const auto counted = w.run({.run = {.threads = threads, .pool = &counting}});
     CHECK(bitwise_equal(counted.first, serial.first));
     CHECK(counting.tasks == (threads == 1 ? 0u : threads));
   }
   for (const auto& e : executors) {
     INFO(e.name);
-    CHECK(bitwise_equal(w.run({.threads = 0, .pool = e.exec}).first, serial.first));
-    CHECK(bitwise_equal(w.run({.pool = e.exec}).first, serial.first));
+    CHECK(bitwise_equal(w.run({.run = {.threads = 0, .pool = e.exec}}).first, serial.first));
+    CHECK(bitwise_equal(w.run({.run = {.pool = e.exec}}).first, serial.first));
   }
 }
 
 TEST_CASE("a pool given with threads left unset runs on all of the pool, and threads = 1 stays serial") {
   // 4 towers of 300,000 floats, means and squares: 7.2 MB, worth 6 chunks of 1 MiB.
   const workload w(4, {300000});
-  const auto serial = w.run({.threads = 1});
+  const auto serial = w.run({.run = {.threads = 1}});
   counting_executor counting;  // concurrency 4
-  const auto counted = w.run({.pool = &counting});
+  const auto counted = w.run({.run = {.pool = &counting}});
   CHECK(counting.calls == 1);
   CHECK(counting.tasks == 4);
   CHECK(bitwise_equal(counted.first, serial.first));
   CHECK(bitwise_equal(counted.second, serial.second));
   counting_executor told_serial;
-  w.run({.threads = 1, .pool = &told_serial});
+  w.run({.run = {.threads = 1, .pool = &told_serial}});
   CHECK(told_serial.calls == 0);
   // The allocating API reads the same options.
   counting_executor allocating;
-  const auto result = gradavg::average_gradients(w.tg, {.pool = &allocating});
+  const auto result = gradavg::average_gradients(w.tg, {.run = {.pool = &allocating}});
   CHECK(allocating.calls == 1);
   CHECK(result.gradients[0].first == serial.first[0]);
 }
@@ -207,7 +207,7 @@ TEST_CASE("many small variables share one fork/join") {
   std::vector<std::size_t> sizes(300, 1000);
   const workload w(4, sizes);
   counting_executor counting;
-  const auto counted = w.run({.threads = 4, .pool = &counting});
+  const auto counted = w.run({.run = {.threads = 4, .pool = &counting}});
   CHECK(counting.calls == 1);
   CHECK(counting.tasks == 4);
   CHECK(bitwise_equal(counted.first, w.run({}).first));
@@ -216,7 +216,7 @@ TEST_CASE("many small variables share one fork/join") {
 TEST_CASE("small calls stay on the calling thread") {
   const workload w(2, {100, 200});
   counting_executor counting;
-  w.run({.threads = 8, .pool = &counting});
+  w.run({.run = {.threads = 8, .pool = &counting}});
   CHECK(counting.calls == 0);
 }
 
@@ -224,12 +224,12 @@ TEST_CASE("chunks are sized by the bytes they move, not by elements") {
   // 40000 floats per tower, mean and squares: (T + 2) * 4 bytes per element.
   // T = 2: 640 KB in all, under one 1 MiB chunk: the caller's thread does it all.
   counting_executor two_towers;
-  workload(2, {40000}).run({.threads = 8, .pool = &two_towers});
+  workload(2, {40000}).run({.run = {.threads = 8, .pool = &two_towers}});
   CHECK(two_towers.calls == 0);
   // T = 16: 2.88 MB, two whole chunks of at least 1 MiB.
   counting_executor sixteen_towers;
   const workload w(16, {40000});
-  const auto counted = w.run({.threads = 8, .pool = &sixteen_towers});
+  const auto counted = w.run({.run = {.threads = 8, .pool = &sixteen_towers}});
   CHECK(sixteen_towers.calls == 1);
   CHECK(sixteen_towers.tasks == 2);
   CHECK(bitwise_equal(counted.first, w.run({}).first));
@@ -238,8 +238,8 @@ TEST_CASE("chunks are sized by the bytes they move, not by elements") {
 TEST_CASE("the allocating API is threaded too, with identical results") {
   const workload w(3, {70001, 5, 90000});
   gradavg::thread_pool pool(2);
-  const auto serial = gradavg::average_gradients(w.tg, {.include_square = true});
-  const auto pooled = gradavg::average_gradients(w.tg, {.include_square = true, .threads = 2, .pool = &pool});
+  const auto serial = gradavg::average_gradients(w.tg, gradavg::include_square);
+  const auto pooled = gradavg::average_gradients(w.tg, gradavg::include_square, {.run = {.threads = 2, .pool = &pool}});
   for (std::size_t i = 0; i < 3; ++i) {
     CHECK(serial.gradients[i].first == pooled.gradients[i].first);
     CHECK(serial.squares[i].first == pooled.squares[i].first);
@@ -327,7 +327,7 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
   const auto tg = towers_of({});
   constexpr auto unchecked = gradavg::alias_check::none;
   std::vector<std::vector<float>> serial(variables, std::vector<float>(n));
-  gradavg::average_gradients_into(tg, serial, {.threads = 1});
+  gradavg::average_gradients_into(tg, serial, {.run = {.threads = 1}});
 
   for (const auto& e : executors_under_test(4)) {
     INFO(e.name);
@@ -335,10 +335,10 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
     arming_executor arming(*e.exec, armed);
     std::vector<std::vector<float>> means(variables, std::vector<float>(n));
     const std::string message = gradavg_test::message_of<std::runtime_error>(
-        [&] { gradavg::average_gradients_into(tg, means, {.aliasing = unchecked, .threads = 4, .pool = &arming}); });
+        [&] { gradavg::average_gradients_into(tg, means, {.run = {.threads = 4, .pool = &arming}, .check = {.aliasing = unchecked}}); });
     CHECK(message == "tensor storage unavailable");
     armed = false;  // the executor serves the next call as before
-    gradavg::average_gradients_into(tg, means, {.threads = 4, .pool = e.exec});
+    gradavg::average_gradients_into(tg, means, {.run = {.threads = 4, .pool = e.exec}});
     CHECK(bitwise_equal(means, serial));
   }
 
@@ -347,20 +347,20 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
   const auto caller_only = towers_of(std::this_thread::get_id());
   std::vector<std::vector<float>> means(variables, std::vector<float>(n));
   const std::string message = gradavg_test::message_of<std::runtime_error>(
-      [&] { gradavg::average_gradients_into(caller_only, means, {.aliasing = unchecked, .threads = 4}); });
+      [&] { gradavg::average_gradients_into(caller_only, means, {.run = {.threads = 4}, .check = {.aliasing = unchecked}}); });
   CHECK(message == "tensor storage unavailable");
 
   // The full check keeps the layout it read (on the stack, on the heap or in a layout_cache), and
   // the chunks use those pointers: data() is called by the checks alone, on the calling thread.
   std::vector<std::vector<float>> checked(variables, std::vector<float>(n));
-  gradavg::average_gradients_into(caller_only, checked, {.threads = 4});
+  gradavg::average_gradients_into(caller_only, checked, {.run = {.threads = 4}});
   CHECK(bitwise_equal(checked, serial));
 
   // With a layout_cache the chunks use the pointers the checks read: data() is called by the
   // checks alone, on the calling thread, before anything is written.
   gradavg::layout_cache cache;
   std::vector<std::vector<float>> cached(variables, std::vector<float>(n));
-  gradavg::average_gradients_into(caller_only, cached, {.layout = &cache, .threads = 4});
+  gradavg::average_gradients_into(caller_only, cached, {.run = {.threads = 4}, .check = {.layout = &cache}});
   CHECK(bitwise_equal(cached, serial));
 }
 
@@ -370,14 +370,14 @@ TEST_CASE("an executor that fails, or returns before running every task, is repo
     std::size_t concurrency() const noexcept override { return 4; }
     void parallel_for(std::size_t, gradavg::task_ref) override { throw std::runtime_error("executor shut down"); }
   } failing;
-  CHECK(gradavg_test::message_of<std::runtime_error>([&] { w.run({.pool = &failing}); }) == "executor shut down");
+  CHECK(gradavg_test::message_of<std::runtime_error>([&] { w.run({.run = {.pool = &failing}}); }) == "executor shut down");
   struct lazy_executor final : gradavg::executor {
     std::size_t concurrency() const noexcept override { return 4; }
     void parallel_for(std::size_t n, gradavg::task_ref task) override {
       for (std::size_t i = 0; i + 1 < n; ++i) task(i);  // drops the last task
     }
   } lazy;
-  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &lazy}); }),
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.run = {.pool = &lazy}}); }),
                                "without running every task"));
 
   // The same number of calls as a correct executor makes: task 0 twice, the last one never.
@@ -388,7 +388,7 @@ TEST_CASE("an executor that fails, or returns before running every task, is repo
       for (std::size_t i = 0; i + 1 < n; ++i) task(i);
     }
   } repeating;
-  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &repeating}); }),
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.run = {.pool = &repeating}}); }),
                                "more than once"));
   struct straying_executor final : gradavg::executor {
     std::size_t concurrency() const noexcept override { return 4; }
@@ -396,7 +396,7 @@ TEST_CASE("an executor that fails, or returns before running every task, is repo
       for (std::size_t i = 1; i <= n; ++i) task(i);  // one past the end, never task 0
     }
   } straying;
-  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.pool = &straying}); }),
+  CHECK(gradavg_test::contains(gradavg_test::message_of<std::logic_error>([&] { w.run({.run = {.pool = &straying}}); }),
                                "out of range"));
 }
 
@@ -416,7 +416,7 @@ TEST_CASE("chunks run in the caller's floating-point environment, whichever thre
     for (auto& tower : w.data)
       for (std::size_t j = 0; j < n; ++j) tower[0][j] = std::ldexp(1.0f + static_cast<float>(j % 7), -135);  // denormal
     const gradavg_test::flush_denormals ftz;
-    const auto serial = w.run({.threads = 1});
+    const auto serial = w.run({.run = {.threads = 1}});
     // Denormal inputs read as zero: every mean and square is +0.
     const std::vector<grads> zeros{grads(n, 0.0f)};
     CHECK(bitwise_equal(serial.first, zeros));
@@ -427,7 +427,7 @@ TEST_CASE("chunks run in the caller's floating-point environment, whichever thre
   SECTION("rounding upward") {
     const workload w(towers, {n});
     const gradavg_test::round_upward upward;
-    const auto serial = w.run({.threads = 1});
+    const auto serial = w.run({.run = {.threads = 1}});
     // The mean by its definition, in the same rounding mode: summed in tower order, divided by T.
     std::size_t mismatches = 0;
     for (std::size_t j = 0; j < n; ++j) {
@@ -445,11 +445,11 @@ TEST_CASE("a task that calls gradavg on the same executor gets the serial result
   // A hang here fails through ctest's TIMEOUT; test_thread_failures.cpp runs the thread_pool and
   // Eigen cases in a child process with a time limit as well.
   const workload w(4, {300000});  // means and squares: 7.2 MB, worth 6 chunks
-  const auto serial = w.run({.threads = 1});
+  const auto serial = w.run({.run = {.threads = 1}});
   for (const auto& e : executors_under_test(3)) {
     INFO(e.name);
     std::vector<std::pair<std::vector<grads>, std::vector<grads>>> results(6);
-    auto task = [&](std::size_t i) { results[i] = w.run({.threads = 3, .pool = e.exec}); };
+    auto task = [&](std::size_t i) { results[i] = w.run({.run = {.threads = 3, .pool = e.exec}}); };
     e.exec->parallel_for(results.size(), gradavg::task_ref(task));
     for (const auto& r : results) {
       CHECK(bitwise_equal(r.first, serial.first));

@@ -105,9 +105,9 @@ void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double toleranc
   for (std::size_t threads : {1u, 2u, 3u}) {
     INFO("threads " << threads);
     auto means = outputs_like(tg, out_dtype);
-    const gradavg::summary s = gradavg::average_gradients_into(tg, means, {.threads = threads});
+    const gradavg::summary s = gradavg::average_gradients_into(tg, means, {.run = {.threads = threads}});
     CHECK(s.averaged == 3);
-    const auto want = span_path<S, O>(tg, {.threads = threads});
+    const auto want = span_path<S, O>(tg, {.run = {.threads = threads}});
     for (std::size_t i = 0; i < means.size(); ++i) {
       INFO("variable " << i);
       CHECK(means[i].scalar_type() == out_dtype);
@@ -136,7 +136,7 @@ TEST_CASE("every dtype: the same bits as the plain-pointer path, close to torch'
 
 TEST_CASE("the allocating API returns CPU tensors of the gradients' dtype") {
   const towers_t tg = random_towers(4, {{3, 2}, {5}}, at::kHalf, 3);
-  const auto r = gradavg::average_gradients(tg, {.include_square = true});
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
   REQUIRE(r.gradients.size() == 2);
   const auto want = span_path<Eigen::half, Eigen::half>(tg, {});
   for (std::size_t i = 0; i < 2; ++i) {
@@ -326,7 +326,7 @@ TEST_CASE("module replicas: averaged into replica 0's .grad() in place, copied t
           if (p.value().grad().defined()) tg[k].emplace_back(p.value().grad().clone(), p.key());
       const auto want = span_path<float, float>(tg, {});
 
-      const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
+      const auto r = gradavg::libtorch::average_module_gradients(replicas, {.compute = {.statistics = true}, .run = {.threads = threads}});
       gradavg_test::check_x87_after("average_module_gradients with frozen (skipped) parameters");
       CHECK(r.report.averaged == 4);
       CHECK(r.report.towers == k_count);
@@ -453,7 +453,7 @@ TEST_CASE("channels_last gradients: averaged in memory order into a channels_las
     std::vector<at::Tensor> means{at::empty_like(tg[0][0].first)};
     REQUIRE(is_channels_last(means[0]));
     const void* where = means[0].data_ptr();
-    CHECK(gradavg::average_gradients_into(tg, means, {.threads = threads}).averaged == 1);
+    CHECK(gradavg::average_gradients_into(tg, means, {.run = {.threads = threads}}).averaged == 1);
     CHECK(is_channels_last(means[0]));
     CHECK(means[0].data_ptr() == where);
     CHECK(gradavg_test::same_bits(static_cast<const float*>(means[0].data_ptr()), want[0].data(), want[0].size()));
@@ -501,7 +501,7 @@ TEST_CASE("module replicas in channels_last: the means in place, every replica's
       want.push_back(torch::stack(g).mean(0));
       where.push_back(p.grad());
     }
-    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads});
+    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.run = {.threads = threads}});
     CHECK(r.report.averaged == 4);
     CHECK(r.skipped.empty());
     for (std::size_t i = 0; i < want.size(); ++i) {
@@ -575,10 +575,10 @@ TEST_CASE("module replicas: the copies into replicas 1..K-1 run on the options' 
     gradavg::options opts;
     const std::string h = how;
     if (h == "a thread_pool of 2")
-      opts.pool = &pool;
+      opts.run.pool = &pool;
     else
-      opts.threads = h == "threads 1" ? 1 : 2;
-    opts.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      opts.run.threads = h == "threads 1" ? 1 : 2;
+    opts.run.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
     CHECK(gradavg::libtorch::average_module_gradients(replicas, opts).report.averaged == 2);
     for (std::size_t i = 0; i < 2; ++i) {
       INFO("parameter " << i);
@@ -592,10 +592,10 @@ TEST_CASE("module replicas: the copies into replicas 1..K-1 run on the options' 
 TEST_CASE("module replicas: the executor runs the copies, and its exception reaches the caller") {
   auto replicas = wide_replicas(4, 59);
   counting_executor counter;
-  gradavg::libtorch::average_module_gradients(replicas, {.pool = &counter});
+  gradavg::libtorch::average_module_gradients(replicas, {.run = {.pool = &counter}});
   CHECK(counter.calls == 2);  // the averaging, then the copies
   counting_executor failing(2);
-  CHECK_THROWS_WITH(gradavg::libtorch::average_module_gradients(replicas, {.pool = &failing}),
+  CHECK_THROWS_WITH(gradavg::libtorch::average_module_gradients(replicas, {.run = {.pool = &failing}}),
                     "executor call 2 failed");
 }
 
@@ -687,7 +687,7 @@ TEST_CASE("module_options::absent_as_zeros: a gradient absent on some replicas c
     s.backward(use_aux);
     REQUIRE(!s.replicas[missing]->aux->bias.grad().defined());
     const auto want = s.mean_with_zeros();
-    const auto r = gradavg::libtorch::average_module_gradients(s.replicas, {.threads = 2}, {.absent_as_zeros = true});
+    const auto r = gradavg::libtorch::average_module_gradients(s.replicas, {.run = {.threads = 2}}, {.absent_as_zeros = true});
     CHECK(r.report.averaged == 6);
     CHECK(r.skipped.empty());
     CHECK(r.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
@@ -720,7 +720,7 @@ TEST_CASE("module replicas: mean_target::first_replica writes replica 0's gradie
   const auto want = span_path<float, float>(tg, {});
   counting_executor counter;
   const gradavg::libtorch::module_options mopts{.means_to = gradavg::libtorch::mean_target::first_replica};
-  CHECK(gradavg::libtorch::average_module_gradients(replicas, {.pool = &counter}, mopts).report.averaged == 2);
+  CHECK(gradavg::libtorch::average_module_gradients(replicas, {.run = {.pool = &counter}}, mopts).report.averaged == 2);
   CHECK(counter.calls == 1);  // the averaging only: nothing to copy
   for (std::size_t i = 0; i < 2; ++i) {
     INFO("parameter " << i);
@@ -817,12 +817,12 @@ TEST_CASE("broadcast_parameters, broadcast_buffers on the options' executor: rep
     counting_executor counter;
     gradavg::options opts;
     if (h == "a thread_pool of 2")
-      opts.pool = &pool;
+      opts.run.pool = &pool;
     else if (h == "a counting executor")
-      opts.pool = &counter;
+      opts.run.pool = &counter;
     else
-      opts.threads = 2;
-    opts.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+      opts.run.threads = 2;
+    opts.run.stores = (h.starts_with("streaming")) ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
     gradavg::libtorch::broadcast_parameters(replicas, opts);
     gradavg::libtorch::broadcast_buffers(replicas, opts);  // Wide has none: nothing to do
     for (std::size_t k = 0; k < 3; ++k)
@@ -868,10 +868,10 @@ TEST_CASE("a bfloat16 body and a float head: each dtype averaged in a call of it
         (p.value().scalar_type() == at::kBFloat16 ? body : head)[k].emplace_back(p.value().grad().clone(), p.key());
     const auto want_body = span_path<Eigen::bfloat16, Eigen::bfloat16>(body, {});
     const auto want_head = span_path<float, float>(head, {});
-    const auto sb = gradavg::average_gradients(body, {.statistics = true}).report;
-    const auto sh = gradavg::average_gradients(head, {.statistics = true}).report;
+    const auto sb = gradavg::average_gradients(body, {.compute = {.statistics = true}}).report;
+    const auto sh = gradavg::average_gradients(head, {.compute = {.statistics = true}}).report;
 
-    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.threads = threads, .statistics = true});
+    const auto r = gradavg::libtorch::average_module_gradients(replicas, {.compute = {.statistics = true}, .run = {.threads = threads}});
     CHECK(r.report.averaged == 4);
     CHECK(r.report.towers == 3);
     CHECK(r.report.sum_mean_squared == sb.sum_mean_squared + sh.sum_mean_squared);
@@ -910,11 +910,11 @@ TEST_CASE("a bfloat16 body and a float head: an error in the second dtype's call
       ++j;
     }
   gradavg::options range_opts;
-  range_opts.range = {0, 10};
+  range_opts.compute.range = {0, 10};
   CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(replicas, range_opts), gradavg::option_error);
 }
 
-TEST_CASE("module replicas: options.include_square returns the means of squares, one per parameter") {
+TEST_CASE("module replicas: module_options::include_square returns the means of squares, one per parameter") {
   for (std::size_t threads : {1u, 2u}) {
     INFO("threads " << threads);
     auto replicas = replicas_with_gradients(3, 29);
@@ -922,10 +922,10 @@ TEST_CASE("module replicas: options.include_square returns the means of squares,
     for (std::size_t k = 0; k < 3; ++k)
       for (const auto& p : replicas[k]->named_parameters())
         if (p.value().grad().defined()) tg[k].emplace_back(p.value().grad().clone(), p.key());
-    const auto want = gradavg::average_gradients(tg, {.include_square = true, .statistics = true});
+    const auto want = gradavg::average_gradients(tg, gradavg::include_square, {.compute = {.statistics = true}});
 
     const auto r = gradavg::libtorch::average_module_gradients(
-        replicas, {.include_square = true, .threads = threads, .statistics = true});
+        replicas, {.compute = {.statistics = true}, .run = {.threads = threads}}, {.include_square = true});
     CHECK(r.report.averaged == 4);
     CHECK(r.report.sum_mean_of_squares == want.report.sum_mean_of_squares);
     const auto params = replicas[0]->named_parameters();
@@ -959,9 +959,9 @@ TEST_CASE("a bfloat16 body and a float head: the means of squares of each dtype"
   for (std::size_t k = 0; k < 3; ++k)
     for (const auto& p : replicas[k]->named_parameters())
       (p.value().scalar_type() == at::kBFloat16 ? body : head)[k].emplace_back(p.value().grad().clone(), p.key());
-  const auto want_body = gradavg::average_gradients(body, {.include_square = true});
-  const auto want_head = gradavg::average_gradients(head, {.include_square = true});
-  const auto r = gradavg::libtorch::average_module_gradients(replicas, {.include_square = true});
+  const auto want_body = gradavg::average_gradients(body, gradavg::include_square);
+  const auto want_head = gradavg::average_gradients(head, gradavg::include_square);
+  const auto r = gradavg::libtorch::average_module_gradients(replicas, {}, {.include_square = true});
   const auto params = replicas[0]->named_parameters();
   REQUIRE(r.squares.size() == params.size());
   std::size_t b = 0, h = 0;

@@ -134,7 +134,7 @@ TEST_CASE("data_parallel: the one-shot call's gradients bit for bit, every bucke
       for (std::size_t threads : {1u, 2u}) {
         INFO(k_count << " replicas, buckets of " << bucket_bytes << " bytes, threads " << threads);
         twin_replicas t(k_count, 7);
-        const gradavg::options opts{.threads = threads};
+        const gradavg::options opts{.run = {.threads = threads}};
         gradavg::libtorch::data_parallel dp(t.overlapped, opts, {}, {.bytes = bucket_bytes});
         for (std::uint64_t step = 0; step < 3; ++step) {
           t.zero_grad(/*set_to_none=*/step % 2 == 0);
@@ -162,7 +162,7 @@ TEST_CASE("one optimizer on replica 0, means_to first_replica and broadcast_para
   for (const bool overlapped : {false, true}) {
     INFO((overlapped ? "data_parallel" : "average_module_gradients"));
     twin_replicas t(3, 13);
-    const gradavg::options opts{.threads = 2};
+    const gradavg::options opts{.run = {.threads = 2}};
     const gradavg::libtorch::module_options first{.absent_as_zeros = true, .means_to = mean_target::first_replica};
     const gradavg::libtorch::module_options every{.absent_as_zeros = true};
     std::optional<gradavg::libtorch::data_parallel> dp;
@@ -207,8 +207,8 @@ TEST_CASE("data_parallel: statistics summed bucket by bucket, the same bits for 
   at::set_num_threads(1);
   twin_replicas one_thread(3, 19), two_threads(3, 19);
   const gradavg::libtorch::module_options zeros{.absent_as_zeros = true};
-  gradavg::libtorch::data_parallel dp1(one_thread.overlapped, {.threads = 1, .statistics = true}, zeros, {.bytes = 700});
-  gradavg::libtorch::data_parallel dp2(two_threads.overlapped, {.threads = 2, .statistics = true}, zeros,
+  gradavg::libtorch::data_parallel dp1(one_thread.overlapped, {.compute = {.statistics = true}, .run = {.threads = 1}}, zeros, {.bytes = 700});
+  gradavg::libtorch::data_parallel dp2(two_threads.overlapped, {.compute = {.statistics = true}, .run = {.threads = 2}}, zeros,
                                        {.bytes = 700});
   for (std::uint64_t step = 0; step < 3; ++step) {
     INFO("step " << step);
@@ -236,7 +236,7 @@ TEST_CASE("data_parallel: statistics summed bucket by bucket, the same bits for 
     }
     REQUIRE(!two_threads.backward(two_threads.overlapped, step, use_aux));
     const auto got1 = dp1.finish(), got2 = dp2.finish();
-    const auto want = gradavg::libtorch::average_module_gradients(one_thread.one_shot, {.statistics = true}, zeros);
+    const auto want = gradavg::libtorch::average_module_gradients(one_thread.one_shot, {.compute = {.statistics = true}}, zeros);
     REQUIRE(got1.report.statistics);
     CHECK(std::bit_cast<std::uint64_t>(got1.report.sum_mean_squared) ==
           std::bit_cast<std::uint64_t>(got2.report.sum_mean_squared));
@@ -321,12 +321,12 @@ TEST_CASE("data_parallel: a parameter unused on some replicas is finished by fin
   }
   SECTION("absent_as_zeros: zeros in their place, listed, the one-shot bits") {
     twin_replicas t(3, 17);
-    gradavg::libtorch::data_parallel dp(t.overlapped, {.threads = 2}, {.absent_as_zeros = true}, {.bytes = 1});
+    gradavg::libtorch::data_parallel dp(t.overlapped, {.run = {.threads = 2}}, {.absent_as_zeros = true}, {.bytes = 1});
     t.zero_grad(true);
     REQUIRE(!t.backward(t.overlapped, 0, no_aux_on_1));
     REQUIRE(!t.backward(t.one_shot, 0, no_aux_on_1));
     const auto got = dp.finish();
-    const auto want = gradavg::libtorch::average_module_gradients(t.one_shot, {.threads = 2}, {.absent_as_zeros = true});
+    const auto want = gradavg::libtorch::average_module_gradients(t.one_shot, {.run = {.threads = 2}}, {.absent_as_zeros = true});
     check_same_reports(got, want);
     CHECK(got.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
     CHECK(got.report.averaged == 12);
@@ -473,12 +473,16 @@ TEST_CASE("data_parallel: the destructor removes every hook, and the replicas th
 TEST_CASE("data_parallel: options that span every parameter, null replicas and unlike replicas are errors") {
   twin_replicas t(2, 43);
   std::vector<gradavg::variable_statistics> per_variable(12);
-  for (const gradavg::options& o : {gradavg::options{.include_square = true}, gradavg::options{.per_variable = per_variable},
-                                    gradavg::options{.range = {0, 10}}}) {
+  for (const gradavg::options& o : {gradavg::options{.compute = {.per_variable = per_variable}},
+                                    gradavg::options{.compute = {.range = {0, 10}}}}) {
     CHECK(gradavg_test::contains(
         gradavg_test::message_of<gradavg::option_error>([&] { gradavg::libtorch::data_parallel dp(t.overlapped, o); }),
         "use average_module_gradients"));
   }
+  CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::option_error>([&] {
+                                 gradavg::libtorch::data_parallel dp(t.overlapped, {}, {.include_square = true});
+                               }),
+                               "module_options::include_square"));
   std::vector<torch::nn::Module*> with_null{t.overlapped[0].get(), nullptr};
   CHECK(gradavg_test::message_of<gradavg::tower_error>([&] {
           gradavg::libtorch::data_parallel dp{std::span<torch::nn::Module* const>(with_null)};

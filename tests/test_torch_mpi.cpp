@@ -129,7 +129,7 @@ void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double toleranc
   for (std::size_t fusion_bytes : {std::size_t{60}, std::size_t{0}}) {
     INFO("fusion_bytes " << fusion_bytes);
     gradavg::mpi::options opts;
-    opts.fusion_bytes = fusion_bytes;
+    opts.exchange.fusion_bytes = fusion_bytes;
     auto means = outputs_like(local, out_dtype);
     const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
     CHECK(s.averaged == 4);
@@ -192,9 +192,7 @@ TEST_CASE("every dtype across ranks: the bits of the span path, the same on ever
 TEST_CASE("the allocating API across ranks returns tensors of the gradients' dtype, the bits of the into call") {
   const towers_t all = all_towers({{3, 2}, {50}}, at::kBFloat16, 3);
   const towers_t local = local_towers(all);
-  gradavg::mpi::options opts;
-  opts.include_square = true;
-  const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, opts);
+  const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, gradavg::include_square);
   REQUIRE(r.gradients.size() == 2);
   auto means = outputs_like(local, at::kBFloat16);
   auto squares = outputs_like(local, at::kBFloat16);
@@ -226,7 +224,7 @@ TEST_CASE("module replicas across ranks: every replica of every rank holds the m
   }
   auto local = local_replicas(all);
   gradavg::mpi::options opts;
-  opts.statistics = true;
+  opts.compute.statistics = true;
   const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, opts);
   CHECK(r.report.averaged == 4);
   CHECK(r.report.towers == total_towers());
@@ -564,7 +562,7 @@ TEST_CASE("a bfloat16 body and a float head across ranks: each dtype in a call o
   CHECK(same_on_every_rank(hash_of(g0)));
 }
 
-TEST_CASE("module replicas across ranks: options.include_square gives every rank the means of squares over all") {
+TEST_CASE("module replicas across ranks: module_options::include_square gives every rank the means of squares over all") {
   auto all = all_replicas(37);
   const std::size_t parameter_count = all[0]->parameters().size();
   std::vector<at::Tensor> want(parameter_count);
@@ -575,9 +573,7 @@ TEST_CASE("module replicas across ranks: options.include_square gives every rank
     if (!g.empty()) want[i] = torch::stack(g).mean(0);
   }
   auto local = local_replicas(all);
-  gradavg::mpi::options opts;
-  opts.include_square = true;
-  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, opts);
+  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.include_square = true});
   CHECK(r.report.averaged == 4);
   REQUIRE(r.squares.size() == parameter_count);
   for (std::size_t i = 0; i < parameter_count; ++i) {

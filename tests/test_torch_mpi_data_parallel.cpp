@@ -160,7 +160,7 @@ TEST_CASE("mpi_data_parallel, means_to first_replica and statistics: one optimiz
   twin_replicas t(17);
   const gradavg::libtorch::module_options first{.means_to = gradavg::libtorch::mean_target::first_replica};
   gradavg::mpi::options opts;
-  opts.statistics = true;
+  opts.compute.statistics = true;
   gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, first, {.bytes = 700});
   const auto adam = [](Deep& m) { return torch::optim::Adam(m->parameters(), torch::optim::AdamOptions(1e-2)); };
   torch::optim::Adam one = adam(t.overlapped[0]);

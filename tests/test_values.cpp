@@ -35,7 +35,7 @@ struct special_towers {
     const std::vector<std::vector<std::pair<const std::vector<S>*, int>>> tg{{{&g0, 0}}, {{&g1, 0}}};
     std::vector<std::vector<S>> means{std::vector<S>(n)}, squares{std::vector<S>(n)};
     gradavg::average_gradients_into(tg, means, squares);
-    const auto r = gradavg::average_gradients(tg, {.include_square = true});
+    const auto r = gradavg::average_gradients(tg, gradavg::include_square);
     REQUIRE(r.gradients.size() == 1);
     for (std::size_t j = 0; j < n; ++j) {
       // Compared as values except NaN, which must be NaN in both.

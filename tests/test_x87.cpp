@@ -113,21 +113,20 @@ std::vector<option_set> option_sets(gradavg::layout_cache& cache) {
   std::vector<option_set> sets(6);
   sets[0].name = "default options";
   sets[1].name = "weights, scale, statistics, non-finite reported";
-  sets[1].opts.weights = weights;
-  sets[1].opts.scale = 0.5;
-  sets[1].opts.statistics = true;
-  sets[1].opts.samples_per_tower = 8;
-  sets[1].opts.on_nonfinite = gradavg::nonfinite_policy::report;
+  sets[1].opts.compute.weights = weights;
+  sets[1].opts.compute.scale = 0.5;
+  sets[1].opts.compute.statistics = true;
+  sets[1].opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
   sets[2].name = "non-finite zeroed, double accumulation, streaming stores";
-  sets[2].opts.on_nonfinite = gradavg::nonfinite_policy::zero;
-  sets[2].opts.accumulate = gradavg::accumulation::double_precision;
-  sets[2].opts.stores = gradavg::store_policy::streaming;
+  sets[2].opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
+  sets[2].opts.compute.accumulate = gradavg::accumulation::double_precision;
+  sets[2].opts.run.stores = gradavg::store_policy::streaming;
   sets[3].name = "a layout_cache";
-  sets[3].opts.layout = &cache;
+  sets[3].opts.check.layout = &cache;
   sets[4].name = "overlaps checked within each variable";
-  sets[4].opts.aliasing = gradavg::alias_check::same_variable;
+  sets[4].opts.check.aliasing = gradavg::alias_check::same_variable;
   sets[5].name = "no overlap check";
-  sets[5].opts.aliasing = gradavg::alias_check::none;
+  sets[5].opts.check.aliasing = gradavg::alias_check::none;
   return sets;
 }
 
@@ -149,7 +148,7 @@ void call_every_api(const TG& tg, bool skipped, const std::string& what) {
   for (option_set& set : option_sets(cache)) {
     const std::string context = what + (skipped ? ", a skipped variable, " : ", none skipped, ") + set.name;
     std::vector<gradavg::variable_statistics> per_variable(variables);
-    if (set.opts.statistics) set.opts.per_variable = per_variable;
+    if (set.opts.compute.statistics) set.opts.compute.per_variable = per_variable;
 
     const gradavg::summary s1 = gradavg::average_gradients_into(tg, means, set.opts);
     check_x87_after("average_gradients_into(means): " + context);
@@ -157,18 +156,17 @@ void call_every_api(const TG& tg, bool skipped, const std::string& what) {
     const gradavg::summary s2 = gradavg::average_gradients_into(tg, means, squares, set.opts);
     check_x87_after("average_gradients_into(means, squares): " + context);
     CHECK(s2.averaged == 2);
-    if (set.opts.statistics) {
+    if (set.opts.compute.statistics) {
       CHECK(s2.global_norm() >= 0);
       check_x87_after("summary::global_norm(): " + context);
     }
 
     gradavg::options allocating = set.opts;
-    allocating.layout = nullptr;
+    allocating.check.layout = nullptr;
     const auto r1 = gradavg::average_gradients(tg, allocating);
     check_x87_after("average_gradients: " + context);
     CHECK(r1.gradients.size() == 2);
-    allocating.include_square = true;
-    const auto r2 = gradavg::average_gradients(tg, allocating);
+    const auto r2 = gradavg::average_gradients(tg, gradavg::include_square, allocating);
     check_x87_after("average_gradients with include_square: " + context);
     CHECK(r2.squares.size() == 2);
     CHECK(r2.skipped.size() == (skipped ? 1u : 0u));
@@ -176,9 +174,9 @@ void call_every_api(const TG& tg, bool skipped, const std::string& what) {
 
   // A part of the flat range, and a call that throws (an output missing for a present variable).
   gradavg::options range;
-  range.range = {5, 20};
+  range.compute.range = {5, 20};
   gradavg::average_gradients_into(tg, means, squares, range);
-  check_x87_after("average_gradients_into(means, squares) over options.range: " + what);
+  check_x87_after("average_gradients_into(means, squares) over options.compute.range: " + what);
   std::vector<std::span<O>> missing = means;
   missing[last] = {};
   CHECK_THROWS_AS(gradavg::average_gradients_into(tg, missing, squares), gradavg::output_error);
@@ -295,17 +293,15 @@ void check_dynamic(gradavg::element_type e, const std::string& type) {
       gradavg::average_gradients_into(tg, means, squares);
       check_x87_after("average_gradients_into(means, squares): " + into);
       gradavg::options fused;
-      fused.statistics = true;
-      fused.on_nonfinite = gradavg::nonfinite_policy::report;
-      fused.scale = 2;
+      fused.compute.statistics = true;
+      fused.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+      fused.compute.scale = 2;
       gradavg::average_gradients_into(tg, means, squares, fused);
       check_x87_after("average_gradients_into(means, squares) with fused options: " + into);
     }
-    gradavg::options square;
-    square.include_square = true;
     CHECK(gradavg::average_gradients(tg).gradients.size() == 2);
     check_x87_after("average_gradients: " + context);
-    CHECK(gradavg::average_gradients(tg, square).squares.size() == 2);
+    CHECK(gradavg::average_gradients(tg, gradavg::include_square).squares.size() == 2);
     check_x87_after("average_gradients with include_square: " + context);
   }
 }
@@ -329,8 +325,8 @@ TEST_CASE("x87 arithmetic on every thread that ran part of a call") {
   }
   x87_checking_pool pool(2);
   gradavg::options opts;
-  opts.pool = &pool;
-  opts.statistics = true;
+  opts.run.pool = &pool;
+  opts.compute.statistics = true;
   for (const bool skipped : {true, false}) {
     const auto tg = gradients<float>::towers_of(a, b, skipped, 0, 1, 2);
     const std::size_t variables = skipped ? 3 : 2;

@@ -16,7 +16,7 @@ using tower_gradients = std::vector<std::vector<std::pair<gradient, std::string>
 // average_grads, average_grads_square = _average_gradients(tower_grads, include_square=True)
 gradavg::averaged_gradients<Eigen::MatrixXf, std::string> average_like_the_seed(
     const tower_gradients& tower_grads, std::ostream& log) {
-  auto averaged = gradavg::average_gradients(tower_grads, {.include_square = true});
+  auto averaged = gradavg::average_gradients(tower_grads, gradavg::include_square);
   // averaged.gradients is average_grads: (mean, variable) in variable order; averaged.squares is
   // average_grads_square, in the same order. A variable whose gradient is None on every tower is
   // in neither: the seed printed it, gradavg lists it (index, variable) in averaged.skipped.

@@ -56,7 +56,7 @@ gradavg::summary train_step(model& m, std::vector<tower_buffers>& grads, const E
   // threads = 0: as many as the pool has (calls this small use one; see docs/threads.md).
   mean_outputs means{grads[0].w, grads[0].b, std::nullopt};
   const gradavg::summary done =
-      gradavg::average_gradients_into(tower_grads, means, {.threads = 0, .pool = &pool});
+      gradavg::average_gradients_into(tower_grads, means, {.run = {.threads = 0, .pool = &pool}});
 
   // opt.apply_gradients(average_grads) / optimizer.step(): the skipped embedding does not move.
   m.w -= learning_rate * grads[0].w;

@@ -54,8 +54,9 @@ concept tower_gradients =
 ///
 /// Aliasing: means[i] may be tower 0's gradient i itself (same data, same shape): averaging in
 /// place. No other overlap between an output and any gradient or other output is allowed;
-/// options.aliasing says how much of that is checked (aliasing_error): by default everything,
-/// O(N log N) in the N = V*(T+2) buffers, O(N) when options.layout proved the same layout before.
+/// options.check.aliasing says how much of that is checked (aliasing_error): by default everything,
+/// O(N log N) in the N = V*(T+2) buffers, O(N) when options.check.layout proved the same layout
+/// before.
 ///
 /// Allocates nothing, except the scratch of the default overlap check when more than 256
 /// buffers are passed without options.layout (and a layout_cache's own memory the first time it
@@ -75,11 +76,11 @@ summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& s
 }
 
 /// As above, keeping in p what the checks proved (plan.hpp): a later call with p over the same
-/// buffers compares each one's presence, first element, element count and contiguity with the
-/// proof instead of checking variables, shapes and overlaps again, and the kernel reads the
-/// pointers from p. Over other buffers, every check runs and p keeps the new proof. options.layout
-/// must be null (option_error). Allocates nothing once p holds a proof of the same size.
-/// (P is plan: a template parameter so that calls without a plan never try this overload.)
+/// buffers compares each one's presence, first element, element count and contiguity with the proof
+/// instead of checking variables, shapes and overlaps again, and the kernel reads the pointers from
+/// p. Over other buffers, every check runs and p keeps the new proof. options.check.layout must be
+/// null (option_error). Allocates nothing once p holds a proof of the same size. (P is plan: a
+/// template parameter so that calls without a plan never try this overload.)
 template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, const options& opts = {}) {
@@ -94,39 +95,55 @@ summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, Squar
   return detail::average_into_impl(tower_grads, means, &squares, opts, &p);
 }
 
-/// The seed's _average_gradients: returns, for each variable, its mean gradient over the towers
-/// paired with tower 0's variable, the means of squares when options.include_square, and the
-/// skipped variables. Tensor, when given, must be the gradients' tensor type (it documents the
-/// call; it is otherwise deduced). Results have tensor_traits<Tensor>::result_type, of the
-/// gradients' element type.
-template <class Tensor = detail::deduce_tensor, tower_gradients TG>
-auto average_gradients(const TG& tower_grads, const options& opts = {}) {
-  using G = detail::gradient_tensor_t<TG>;
-  static_assert(std::is_same_v<Tensor, detail::deduce_tensor> || std::is_same_v<Tensor, G>,
+namespace detail {
+
+/// The allocating calls (average_gradients with and without include_square).
+template <class Tensor, class TG>
+auto average_allocating(const TG& tower_grads, bool with_squares, const options& opts) {
+  using G = gradient_tensor_t<TG>;
+  static_assert(std::is_same_v<Tensor, deduce_tensor> || std::is_same_v<Tensor, G>,
                 "gradavg: average_gradients<Tensor>: Tensor must be the gradients' tensor type");
   static_assert(resultable_tensor<G>,
                 "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
                 "use average_gradients_into with outputs you own");
   using R = typename tensor_traits<G>::result_type;
-  using V = detail::variable_t<TG>;
-  static_assert(dynamic_tensor<G> || detail::supported_scalar<tensor_value_t<G>>,
+  using V = variable_t<TG>;
+  static_assert(dynamic_tensor<G> || supported_scalar<tensor_value_t<G>>,
                 "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
-  static_assert(detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
+  static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
-  const std::size_t variable_count = detail::validate_towers(tower_grads);
+  const std::size_t variable_count = validate_towers(tower_grads);
   averaged_gradients<R, V> result;
   if constexpr (dynamic_tensor<G>) {
-    const element_type e = detail::validate_elements(tower_grads, variable_count, static_cast<std::nullptr_t*>(nullptr),
-                                                     static_cast<std::nullptr_t*>(nullptr))
+    const element_type e = validate_elements(tower_grads, variable_count, static_cast<std::nullptr_t*>(nullptr),
+                                             static_cast<std::nullptr_t*>(nullptr))
                                .gradients;
-    detail::with_element(e, [&]<class S>() {
-      detail::average_gradients_typed<S>(tower_grads, variable_count, e, result, opts);
+    with_element(e, [&]<class S>() {
+      average_gradients_typed<S>(tower_grads, variable_count, e, result, with_squares, opts);
     });
   } else {
     using S = tensor_value_t<G>;
-    detail::average_gradients_typed<S>(tower_grads, variable_count, detail::element_of_type<S>(), result, opts);
+    average_gradients_typed<S>(tower_grads, variable_count, element_of_type<S>(), result, with_squares, opts);
   }
   return result;
+}
+
+}  // namespace detail
+
+/// The seed's _average_gradients: returns, for each variable, its mean gradient over the towers
+/// paired with tower 0's variable, and the skipped variables (averaged_gradients). Tensor, when
+/// given, must be the gradients' tensor type (it documents the call; it is otherwise deduced).
+/// Results have tensor_traits<Tensor>::result_type, of the gradients' element type.
+template <class Tensor = detail::deduce_tensor, tower_gradients TG>
+auto average_gradients(const TG& tower_grads, const options& opts = {}) {
+  return detail::average_allocating<Tensor>(tower_grads, false, opts);
+}
+
+/// As above, and the means over towers of the squared gradients (the seed's include_square=True):
+/// average_gradients(tower_grads, gradavg::include_square).
+template <class Tensor = detail::deduce_tensor, tower_gradients TG>
+auto average_gradients(const TG& tower_grads, include_square_t, const options& opts = {}) {
+  return detail::average_allocating<Tensor>(tower_grads, true, opts);
 }
 
 GRADAVG_END_ISA_NAMESPACE

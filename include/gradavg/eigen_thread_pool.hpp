@@ -4,7 +4,7 @@
 //
 //   Eigen::ThreadPool eigen_pool(8);
 //   gradavg::eigen_thread_pool_executor pool(eigen_pool);
-//   gradavg::average_gradients_into(tower_grads, means, {.pool = &pool});
+//   gradavg::average_gradients_into(tower_grads, means, {.run = {.pool = &pool}});
 //
 // Not included by gradavg.hpp: it pulls in Eigen's ThreadPool module (threads, <functional>).
 #pragma once

@@ -67,20 +67,20 @@ class aliasing_error : public error {
   using error::error;
 };
 
-/// An option is invalid: scale not finite, samples_per_tower negative or not finite, a range
-/// with begin > end, per_variable of the wrong size.
+/// An option is invalid: scale not finite, a range with begin > end, per_variable of the wrong
+/// size.
 class option_error : public error {
   using error::error;
 };
 
-/// options.weights: not one per tower, a weight negative or not finite (the message names the
-/// tower), or a sum that is not positive and finite.
+/// options.compute.weights: not one per tower, a weight negative or not finite (the message names
+/// the tower), or a sum that is not positive and finite.
 class weight_error : public option_error {
   using option_error::option_error;
 };
 
 /// A summary's derived statistic (global_norm, clip_coefficient, noise) asked of a call that did
-/// not compute the statistics (options.statistics false), or clip_coefficient's max_norm not
+/// not compute the statistics (options.compute.statistics false), or clip_coefficient's max_norm not
 /// finite and positive.
 class statistics_error : public error {
   using error::error;

@@ -1,10 +1,10 @@
 // gradavg: running the averaging on several threads.
 //
-// options.threads says how many threads a call may use; options.pool where they run. The work —
-// all variables' elements as one flat range — is split into up to that many contiguous chunks,
-// so hundreds of small variables cost one fork/join per call, not one each. Results are bitwise
-// identical for any thread count and executor. Where the chunks run:
-//   options.pool set   on that executor — gradavg::thread_pool, gradavg::openmp_executor
+// options.run.threads says how many threads a call may use; options.run.pool where they run. The
+// work — all variables' elements as one flat range — is split into up to that many contiguous
+// chunks, so hundreds of small variables cost one fork/join per call, not one each. Results are
+// bitwise identical for any thread count and executor. Where the chunks run:
+//   options.run.pool set   on that executor — gradavg::thread_pool, gradavg::openmp_executor
 //                      (gradavg/openmp.hpp), gradavg::eigen_thread_pool_executor
 //                      (gradavg/eigen_thread_pool.hpp), gradavg::tbb_executor (gradavg/tbb.hpp),
 //                      or your own pool behind the executor interface: no thread is created and

@@ -1,6 +1,6 @@
 // gradavg: layout_cache — scratch memory for average_gradients_into's overlap check, and the
 // buffer layout its last successful call proved free of forbidden overlaps. Owned by the caller,
-// passed as options.layout, reused across calls (typically one per training loop). A plan
+// passed as options.check.layout, reused across calls (typically one per training loop). A plan
 // (plan.hpp) keeps this proof and the rest of the checks' too; prefer it in a training loop.
 //
 // Shared by every instruction-set level of a program (it holds pointers and sizes only).
@@ -42,7 +42,7 @@ struct layout_cache_access;
 
 }  // namespace shared_detail
 
-/// Pass one as options.layout to average_gradients_into to make its default overlap check
+/// Pass one as options.check.layout to average_gradients_into to make its default overlap check
 /// (alias_check::all) allocate nothing after the first call and cost O(N) instead of
 /// O(N log N) when the buffers are the same as in the previous call.
 ///

@@ -1,17 +1,16 @@
 // gradavg::mpi: the same averaging across processes, through the MPI C API (target gradavg::mpi).
 //
-// Every rank passes its local towers (at least one; ranks may hold different numbers) and
-// receives the mean over all towers of all ranks, and the mean of squares, weights, scale,
-// non-finite detection and statistics with the same meaning as in one process (options.hpp);
-// options.weights holds the weights of the rank's own towers (one rank's may sum to 0; the sum over
-// every rank must be positive).
-// The call is collective over comm: every rank of comm calls it with the same options (a
-// disagreement is an error, see below). comm: an intra-communicator of an initialised, not yet
-// finalised MPI (else mpi_error on the rank that passes it). Every MPI call is made on the calling
-// thread; worker threads (options.threads, options.pool) run only the kernel, so MPI needs
-// MPI_THREAD_FUNNELED when they are used and the caller is MPI's main thread, MPI_THREAD_SERIALIZED
-// when another thread calls. An MPI call that returns an error code (a communicator whose handler
-// returns them) is an mpi_error.
+// Every rank passes its local towers (at least one; ranks may hold different numbers) and receives
+// the mean over all towers of all ranks, and the mean of squares, weights, scale, non-finite
+// detection and statistics with the same meaning as in one process (options.hpp);
+// options.compute.weights holds the weights of the rank's own towers (one rank's may sum to 0; the
+// sum over every rank must be positive). The call is collective over comm: every rank of comm calls
+// it with the same options (a disagreement is an error, see below). comm: an intra-communicator of
+// an initialised, not yet finalised MPI (else mpi_error on the rank that passes it). Every MPI call
+// is made on the calling thread; worker threads (options.run.threads, options.run.pool) run only
+// the kernel, so MPI needs MPI_THREAD_FUNNELED when they are used and the caller is MPI's main
+// thread, MPI_THREAD_SERIALIZED when another thread calls. An MPI call that returns an error code
+// (a communicator whose handler returns them) is an mpi_error.
 //
 // The call, in phases, so that no rank waits in a collective another rank has left:
 //   - Local: each rank validates its towers and outputs exactly as the one-process call does,
@@ -22,8 +21,8 @@
 //     rank rethrows its own exception (a gradavg::error, std::bad_alloc, or user code's own),
 //     every other rank throws remote_error naming it. Nothing written anywhere. The second
 //     integer says whether every rank's plan holds (calls with a plan, below): then collective 3
-//     is not run again, nor collective 2 unless a rank passes weights or changed its scale,
-//     range or samples_per_tower since the agreement.
+//     is not run again, nor collective 2 unless a rank passes weights or changed its scale
+//     or range since the agreement.
 //   - Collectives 2 and 3 (a fixed header per rank; then O(V) integers reduced with MPI_MAX: per
 //     variable its presence state and fingerprints of its shape and, where the variable type is a
 //     string or arithmetic type, of its identity; variables of other types are compared by shape
@@ -40,30 +39,29 @@
 //     exception, every other rank throws remote_error naming it. Outputs are then partly written
 //     on every rank (as in one process after such an exception).
 //
-// Data path: the flat element range of all averaged variables (options.range, as in one process)
-// is cut into buckets of options.fusion_bytes. Each rank's kernel sums its towers straight into a
-// bucket's fusion buffer (weighted sums, the squares' sums side by side, per-variable non-finite
-// flags behind them); the buffer is then moved as raw bytes only (no MPI reduction): rank r owns a
-// slice of every bucket, receives every rank's contribution to it, sums them in rank order, and
-// sends the summed slice back to every rank: MPI_Ialltoallv and MPI_Iallgatherv on comm, or with
-// options.exchange = point_to_point MPI_Isend and MPI_Irecv (tags 0x4741 and 0x4742: code that
-// posts receives on comm with MPI_ANY_TAG while the call runs must then give gradavg a
-// communicator of its own, MPI_Comm_dup). Bucket k's communication runs while the kernel fills
-// bucket k+1. The division by the global weight sum (and the statistics) is applied while
-// unpacking into the outputs. So the results are bitwise the same on every rank and from run to
-// run for the same layout, whatever algorithms the MPI library picks. Against the one-process
-// call over the same towers: the means bitwise the same with one tower per rank and unit weights;
-// otherwise the sum is grouped by rank (within about T/2 ulp of the mean, as in one process); the
-// squares within the same bound (one process fuses each tower's square into the running sum, each
-// rank rounds its own sum of squares). The statistics
-// are summed in double, one running sum per variable in element order, so they are bitwise the
-// same for every fusion_bytes (not bitwise those of one process). With
-// accumulation::double_precision, float gradients are summed in float within a rank, and across
-// ranks and divided in double.
+// Data path: the flat element range of all averaged variables (options.compute.range, as in one
+// process) is cut into buckets of options.exchange.fusion_bytes. Each rank's kernel sums its towers
+// straight into a bucket's fusion buffer (weighted sums, the squares' sums side by side,
+// per-variable non-finite flags behind them); the buffer is then moved as raw bytes only (no MPI
+// reduction): rank r owns a slice of every bucket, receives every rank's contribution to it, sums
+// them in rank order, and sends the summed slice back to every rank: MPI_Ialltoallv and
+// MPI_Iallgatherv on comm, or with options.exchange.method = point_to_point MPI_Isend and MPI_Irecv
+// (tags 0x4741 and 0x4742: code that posts receives on comm with MPI_ANY_TAG while the call runs
+// must then give gradavg a communicator of its own, MPI_Comm_dup). Bucket k's communication runs
+// while the kernel fills bucket k+1. The division by the global weight sum (and the statistics) is
+// applied while unpacking into the outputs. So the results are bitwise the same on every rank and
+// from run to run for the same layout, whatever algorithms the MPI library picks. Against the
+// one-process call over the same towers: the means bitwise the same with one tower per rank and
+// unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of the mean, as in one
+// process); the squares within the same bound (one process fuses each tower's square into the
+// running sum, each rank rounds its own sum of squares). The statistics are summed in double, one
+// running sum per variable in element order, so they are bitwise the same for every fusion_bytes
+// (not bitwise those of one process). With accumulation::double_precision, float gradients are
+// summed in float within a rank, and across ranks and divided in double.
 //
 // Memory: a workspace (3 sets of fusion buffers, 2 * fusion_bytes each at most, and O(V + T + P)
-// tables) held by options.work and reused, so that calls with the same layout allocate nothing;
-// without one, each call allocates its own.
+// tables) held by options.exchange.work and reused, so that calls with the same layout allocate
+// nothing; without one, each call allocates its own.
 #pragma once
 
 #include <concepts>
@@ -96,7 +94,7 @@ summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& mea
 /// rank's plan holds (its buffers are the proved ones, its options those it agreed with, on the
 /// same communicator), a call runs collective 1, the data path and collective 4 only (and
 /// collective 2 where a rank passes weights, whose sums change from step to step, or changed
-/// its scale, range or samples_per_tower); the agreement on variables, presence and shapes is
+/// its scale or range); the agreement on variables, presence and shapes is
 /// not repeated. Every rank passes a plan, or
 /// none does; the first call with a plan, and any call where one rank's plan does not hold, runs
 /// every collective on every rank. (P is plan: calls without a plan never try this overload.)
@@ -115,9 +113,11 @@ summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means
   return detail::average_into(comm, tower_grads, means, &squares, opts, nullptr, &p);
 }
 
-/// The allocating form: gradavg::average_gradients over every rank's towers.
-template <tower_gradients TG>
-auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options& opts = {}) {
+namespace detail {
+
+/// The allocating calls (average_gradients with and without include_square).
+template <class TG>
+auto average_allocating(MPI_Comm comm, const TG& tower_grads, bool with_squares, const mpi::options& opts) {
   using G = gradavg::detail::gradient_tensor_t<TG>;
   static_assert(resultable_tensor<G>,
                 "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
@@ -130,8 +130,9 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
   try {
     const std::size_t towers = std::ranges::size(tower_grads);
     const std::size_t variable_count = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tower_grads, 0));
-    if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
-      throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
+    if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
+      throw option_error(
+          "gradavg: options.compute.range is for average_gradients_into; average_gradients returns whole variables");
     element_type element = element_type::float32;
     if constexpr (dynamic_tensor<G>)
       element = gradavg::detail::validate_elements(tower_grads, gradavg::detail::validate_tower_counts(tower_grads), static_cast<std::nullptr_t*>(nullptr),
@@ -146,7 +147,7 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
     means.assign(variable_count, nullptr);
     squares.assign(variable_count, nullptr);
     result.gradients.reserve(variable_count);
-    if (opts.include_square) result.squares.reserve(variable_count);
+    if (with_squares) result.squares.reserve(variable_count);
     for (std::size_t i = 0; i < variable_count; ++i) {
       const auto g0 = gradavg::detail::read_gradient(tower_grads, 0, i);
       if (!g0.present) {
@@ -155,7 +156,7 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
       }
       result.gradients.emplace_back(make(g0.dims), gradavg::detail::variable_copy(tower_grads, i));
       means[i] = &result.gradients.back().first;
-      if (opts.include_square) {
+      if (with_squares) {
         result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
         squares[i] = &result.squares.back().first;
       }
@@ -163,11 +164,25 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options&
   } catch (...) {
     prior = std::current_exception();
   }
-  if (opts.include_square)
+  if (with_squares)
     result.report = detail::average_into(comm, tower_grads, means, &squares, opts, prior);
   else
     result.report = detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
   return result;
+}
+
+}  // namespace detail
+
+/// The allocating form: gradavg::average_gradients over every rank's towers.
+template <tower_gradients TG>
+auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options& opts = {}) {
+  return detail::average_allocating(comm, tower_grads, false, opts);
+}
+
+/// As above, with the means of squares (gradavg::include_square).
+template <tower_gradients TG>
+auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, const mpi::options& opts = {}) {
+  return detail::average_allocating(comm, tower_grads, true, opts);
 }
 
 GRADAVG_END_ISA_NAMESPACE

@@ -41,10 +41,10 @@ namespace mpi {
 // live in the level's inline namespace (detail/isa.hpp).
 
 /// Bytes of one bucket's fusion buffer (the means' sums and the squares' sums) when
-/// options.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB, or
-/// 256 KiB per rank where that is more (every rank owns a slice of each bucket: slices of at
-/// least 256 KiB keep a message's latency small against its transfer), at most 16 MiB (Open MPI
-/// 4.1 maps and unmaps temporaries for larger messages). Small buckets stay in cache between the
+/// options.exchange.fusion_bytes is 0 (the default), on a communicator of `ranks` processes: 1 MiB,
+/// or 256 KiB per rank where that is more (every rank owns a slice of each bucket: slices of at
+/// least 256 KiB keep a message's latency small against its transfer), at most 16 MiB (Open MPI 4.1
+/// maps and unmaps temporaries for larger messages). Small buckets stay in cache between the
 /// kernel, the exchange and the unpack (gradavg_bench_mpi measures the choice).
 constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
   const std::size_t per_rank = (std::size_t{256} << 10) * static_cast<std::size_t>(ranks > 0 ? ranks : 1);
@@ -96,16 +96,28 @@ class workspace {
 
 inline shared_detail::buffers& shared_detail::access::of(workspace& w) noexcept { return w.held; }
 
-/// options plus what only the process-parallel call needs. Every rank passes the same values
-/// (except weights, one per local tower).
-struct options : gradavg::options {
+/// How the buckets move between the ranks. Every rank passes the same fusion_bytes and method.
+struct exchange_options {
   /// Bytes of one bucket's fusion buffer: at least two elements, at most 1 GiB; 0 (the default):
   /// automatic_fusion_bytes(the communicator's size).
   std::size_t fusion_bytes = 0;
-  /// How the buckets move between ranks (every rank passes the same).
-  exchange_method exchange = exchange_method::collectives;
+  /// How a bucket's slices move between ranks.
+  exchange_method method = exchange_method::collectives;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
+};
+
+/// gradavg::options' groups, with the same meaning, plus how the buckets move between ranks.
+/// Every rank passes the same values, except compute.weights (one per local tower), run and
+/// check (each rank's own) and exchange.work.
+struct options {
+  compute_options compute = {};
+  run_options run = {};
+  check_options check = {};
+  exchange_options exchange = {};
+
+  /// The groups a one-process call takes.
+  [[nodiscard]] gradavg::options local() const noexcept { return {compute, run, check}; }
 };
 
 }  // namespace mpi

@@ -1,8 +1,8 @@
 // gradavg: an executor on OpenMP, for translation units compiled with OpenMP (-fopenmp;
-// CMake: link OpenMP::OpenMP_CXX). Pass it as options.pool:
+// CMake: link OpenMP::OpenMP_CXX). Pass it as options.run.pool:
 //
 //   gradavg::openmp_executor omp;
-//   gradavg::average_gradients_into(tower_grads, means, {.threads = 0, .pool = &omp});
+//   gradavg::average_gradients_into(tower_grads, means, {.run = {.threads = 0, .pool = &omp}});
 //
 // It is opt-in rather than picked by the compile flag: a header-only library whose functions
 // changed with -fopenmp would give one function two definitions in a program that mixes

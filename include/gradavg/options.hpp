@@ -1,5 +1,6 @@
-// gradavg: the options every averaging call takes. A plain aggregate: new members get defaults
-// that keep earlier behaviour, so code written against an older version keeps compiling.
+// gradavg: the options every averaging call takes, in three groups: what is computed, how it
+// runs, how it is checked. Plain aggregates: new members get defaults that keep the behaviour
+// code written before them relies on.
 #pragma once
 
 #include <cstddef>
@@ -43,7 +44,7 @@ enum class alias_check : std::uint8_t {
   same_variable,
   /// Every output against every gradient and every other output (the default): the byte ranges
   /// of all N = V*(T+2) buffers sorted by address and swept, O(N log N); O(N) when
-  /// options.layout holds the same layout as the previous call.
+  /// options.check.layout holds the same layout as the previous call.
   all,
   /// No check: the caller guarantees the aliasing rules of average_gradients_into.
   none,
@@ -74,36 +75,8 @@ struct element_range {
   std::size_t end = std::numeric_limits<std::size_t>::max();
 };
 
-struct options {
-  /// Allocating API: also return the mean over towers of the squared gradients.
-  /// average_gradients_into computes them exactly when a squares range is passed; setting this
-  /// without passing one is an error there, so a request is never silently dropped.
-  bool include_square = false;
-
-  /// Overlap checks in average_gradients_into (outputs of the allocating API never overlap).
-  alias_check aliasing = alias_check::all;
-
-  /// Caller-owned scratch and memory of the last proved layout for average_gradients_into
-  /// (layout_cache.hpp); not owned. Null: the check of up to 256 buffers uses the stack, larger
-  /// ones allocate their scratch for the call. Must be null in a call with a plan (plan.hpp).
-  layout_cache* layout = nullptr;
-
-  /// Threads one call may use. Left at default_threads: all of pool's (pool->concurrency()) when
-  /// a pool is given, else 1 — the calling thread only: training code often calls this while its
-  /// other cores are busy, so starting threads is the caller's decision. 1: the calling thread
-  /// only, even with a pool. 0: all of pool's, else std::thread::hardware_concurrency().
-  /// See executor.hpp.
-  std::size_t threads = default_threads;
-
-  /// How outputs are stored (store_policy): by default streaming for calls that move at least
-  /// streaming_threshold_bytes, ordinary stores below. Results are identical either way.
-  store_policy stores = store_policy::automatic;
-
-  /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
-  executor* pool = nullptr;
-
-  // ---- The training step, fused into the same pass (average.hpp). ----
-
+/// What a call computes besides the means, and in which arithmetic.
+struct compute_options {
   /// Type in which float gradients are summed.
   accumulation accumulate = accumulation::native;
 
@@ -126,11 +99,6 @@ struct options {
   /// Off: those sums are NaN and summary's derived statistics throw statistics_error.
   bool statistics = false;
 
-  /// The total sample count of the step divided by T (every tower, weight-0 ones included), for
-  /// the noise estimate; with weights, tower k's count is taken as proportional to w_k.
-  /// 0: unknown (noise estimate left NaN).
-  double samples_per_tower = 0;
-
   /// Per-variable results: empty, or exactly one per variable (option_error), written for every
   /// averaged variable (statistics when statistics is set, nonfinite when detection is on).
   /// Not owned.
@@ -138,7 +106,56 @@ struct options {
 
   /// Only these elements of the flat range of all variables are averaged and written (partial
   /// call: a bucket); other output elements are left untouched. Validation covers every variable.
+  /// For the calls that write into outputs the caller owns; the allocating calls return whole
+  /// variables and reject any other range (option_error).
   element_range range = {};
 };
+
+/// How a call runs: threads and stores. The results are bitwise the same whatever is chosen.
+struct run_options {
+  /// Threads one call may use. Left at default_threads: all of pool's (pool->concurrency()) when
+  /// a pool is given, else 1 — the calling thread only: training code often calls this while its
+  /// other cores are busy, so starting threads is the caller's decision. 1: the calling thread
+  /// only, even with a pool. 0: all of pool's, else std::thread::hardware_concurrency().
+  /// See executor.hpp.
+  std::size_t threads = default_threads;
+
+  /// How outputs are stored (store_policy): by default streaming for calls that move at least
+  /// streaming_threshold_bytes, ordinary stores below.
+  store_policy stores = store_policy::automatic;
+
+  /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
+  executor* pool = nullptr;
+};
+
+/// How average_gradients_into checks its outputs before writing (the allocating calls' outputs
+/// are new and overlap nothing).
+struct check_options {
+  /// Overlap checks (alias_check).
+  alias_check aliasing = alias_check::all;
+
+  /// Caller-owned scratch and memory of the last proved layout (layout_cache.hpp); not owned.
+  /// Null: the check of up to 256 buffers uses the stack, larger ones allocate their scratch for
+  /// the call. Must be null in a call with a plan (plan.hpp).
+  layout_cache* layout = nullptr;
+};
+
+/// The options of every averaging call, by concern. Designated initialisers name the groups in
+/// this order and each group's members in theirs:
+///   gradavg::options{.compute = {.weights = w, .statistics = true}, .run = {.threads = 4}}
+struct options {
+  compute_options compute = {};
+  run_options run = {};
+  check_options check = {};
+};
+
+/// Tag for the allocating calls that also return the means over towers of the squared gradients
+/// (the seed's include_square=True): average_gradients(tower_grads, gradavg::include_square).
+/// Not constructible from {}, so that average_gradients(tower_grads, {}) means the options.
+struct include_square_t {
+  struct make_tag {};
+  explicit constexpr include_square_t(make_tag) noexcept {}
+};
+inline constexpr include_square_t include_square{include_square_t::make_tag{}};
 
 }  // namespace gradavg

@@ -10,7 +10,7 @@
 // type for run-time typed tensors) — and compares them with the kept proof: if all are equal, the
 // checks that depend on nothing else (variables, shapes, overlaps) are not repeated, and the
 // kernel reads the pointers from the plan. Anything different (a gradient reallocated or gone,
-// another tower count, squares passed or not, a stronger options.aliasing than the one proved,
+// another tower count, squares passed or not, a stronger options.check.aliasing than the one proved,
 // other tensor or range types) runs every check again, and the plan keeps the new proof once it
 // passes. A failed call empties the plan.
 //

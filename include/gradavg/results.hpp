@@ -24,7 +24,7 @@ template <class Tensor, class Variable>
 struct averaged_gradients {
   /// (mean gradient, tower 0's variable) for every averaged variable, in variable order.
   std::vector<std::pair<Tensor, Variable>> gradients;
-  /// (mean of squared gradients, variable), same order; empty unless options.include_square.
+  /// (mean of squared gradients, variable), same order; empty unless include_square was passed.
   std::vector<std::pair<Tensor, Variable>> squares;
   /// Variables left out because their gradient was absent on every tower.
   std::vector<skipped_variable<Variable>> skipped;

@@ -81,11 +81,9 @@ struct summary {
   double sum_mean_of_squares = std::numeric_limits<double>::quiet_NaN();
 
   /// T (every process's towers, across processes), and T+, the towers of positive weight (T
-  /// without options::weights): weight-0 towers hold no sample of the noise estimate.
+  /// without options.compute.weights): weight-0 towers hold no sample of the noise estimate.
   std::size_t towers = 0;
   std::size_t weighted_towers = 0;
-  /// The total sample count B: options::samples_per_tower * T (0 when unknown).
-  double total_samples = 0;
 
   /// Some input element was NaN or +-Inf: skip the step (and lower the loss scale).
   [[nodiscard]] bool nonfinite() const noexcept { return nonfinite_variables != 0; }
@@ -109,23 +107,34 @@ struct summary {
     return norm > max_norm ? max_norm / norm : 1.0;
   }
 
-  /// The gradient-noise estimate over every averaged variable (needs T+ >= 2 and samples).
-  [[nodiscard]] noise_estimate noise() const {
+  /// The gradient-noise estimate over every averaged variable, for a step of
+  /// samples_per_tower * T samples in all (every tower, weight-0 ones included; with weights,
+  /// tower k's count is taken as proportional to w_k). samples_per_tower must be finite and
+  /// >= 0 (statistics_error); 0: unknown, the estimate is NaN. Needs T+ >= 2.
+  [[nodiscard]] noise_estimate noise(double samples_per_tower) const {
     require_statistics("noise()");
-    return estimate_noise(sum_mean_squared, sum_mean_of_squares, weighted_towers, total_samples);
+    return estimate_noise(sum_mean_squared, sum_mean_of_squares, weighted_towers, total_samples(samples_per_tower));
   }
 
   /// The same for one variable's statistics (of this call).
-  [[nodiscard]] noise_estimate noise(const variable_statistics& v) const {
+  [[nodiscard]] noise_estimate noise(const variable_statistics& v, double samples_per_tower) const {
     require_statistics("noise(variable_statistics)");
-    return estimate_noise(v.sum_mean_squared, v.sum_mean_of_squares, weighted_towers, total_samples);
+    return estimate_noise(v.sum_mean_squared, v.sum_mean_of_squares, weighted_towers, total_samples(samples_per_tower));
   }
 
  private:
+  double total_samples(double samples_per_tower) const {
+    if (!std::isfinite(samples_per_tower) || samples_per_tower < 0)
+      throw statistics_error("gradavg: summary::noise(samples_per_tower): samples_per_tower must be finite and >= 0, "
+                             "not " + std::to_string(samples_per_tower));
+    return samples_per_tower * static_cast<double>(towers);
+  }
+
   void require_statistics(const char* what) const {
     if (!statistics)
       throw statistics_error(std::string("gradavg: summary::") + what +
-                             " needs the statistics, and this call did not compute them (set options.statistics)");
+                             " needs the statistics, and this call did not compute them "
+                             "(set options.compute.statistics)");
   }
 };
 

@@ -3,7 +3,7 @@
 // so averaging shares TBB's workers with the rest of your program:
 //
 //   gradavg::tbb_executor pool;  // the calling thread's arena
-//   gradavg::average_gradients_into(tower_grads, means, {.pool = &pool});
+//   gradavg::average_gradients_into(tower_grads, means, {.run = {.pool = &pool}});
 //
 // Not included by gradavg.hpp: it needs oneTBB.
 #pragma once

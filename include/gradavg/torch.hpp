@@ -30,25 +30,25 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 /// module_options::means_to = mean_target::first_replica, leaves the others' gradients alone, for
 /// one optimizer on replica 0 followed by broadcast_parameters).
 ///
-/// Variables are the parameters in named_parameters() order (recursively), named in messages;
-/// every replica must list the same names in the same order (variable_mismatch_error, or
-/// tower_error for different counts: towers are replicas). A parameter whose requires_grad is
-/// false counts as having no gradient. A parameter without a gradient on every replica is skipped
-/// and listed in the report; without one on some replicas only, it is missing_gradient_error, or
-/// averaged with zeros in their place with module_options::absent_as_zeros (module_options). The
-/// gradients must be as torch::Tensor gradients (torch_tensor.hpp): CPU, dense, of the same
-/// memory-order shapes (channels_last gradients are averaged as such), each of its parameter's
-/// dtype. Parameters of several dtypes (a bfloat16 body and a float head) are averaged one dtype
-/// per call, in order of first appearance, into outputs of their own that are copied into every
-/// replica once every call has succeeded (so an error leaves every replica as it was); the
-/// report sums the calls' counts and statistics; options.range must then cover everything
-/// (option_error). Everything is checked before anything is written. options pass through
-/// (threads, the fused statistics: report.global_norm(), clip_coefficient(), noise(); weights,
-/// scale, non-finite policy, range); options.include_square also returns the means of squared
-/// gradients (module_report::squares); options.per_variable, when given, has one entry per
-/// parameter, skipped ones included. The copies into replicas 1..K-1 run on the same executor as
-/// the averaging (options.threads, options.pool), split by bytes, with non-temporal stores as
-/// options.stores says; an exception from it reaches the caller with replica 0 holding the
+/// Variables are the parameters in named_parameters() order (recursively), named in messages; every
+/// replica must list the same names in the same order (variable_mismatch_error, or tower_error for
+/// different counts: towers are replicas). A parameter whose requires_grad is false counts as
+/// having no gradient. A parameter without a gradient on every replica is skipped and listed in the
+/// report; without one on some replicas only, it is missing_gradient_error, or averaged with zeros
+/// in their place with module_options::absent_as_zeros (module_options). The gradients must be as
+/// torch::Tensor gradients (torch_tensor.hpp): CPU, dense, of the same memory-order shapes
+/// (channels_last gradients are averaged as such), each of its parameter's dtype. Parameters of
+/// several dtypes (a bfloat16 body and a float head) are averaged one dtype per call, in order of
+/// first appearance, into outputs of their own that are copied into every replica once every call
+/// has succeeded (so an error leaves every replica as it was); the report sums the calls' counts
+/// and statistics; options.compute.range must then cover everything (option_error). Everything is
+/// checked before anything is written. options pass through (threads, the fused statistics:
+/// report.global_norm(), clip_coefficient(), noise(); weights, scale, non-finite policy, range);
+/// module_options::include_square also returns the means of squared gradients
+/// (module_report::squares); options.compute.per_variable, when given, has one entry per parameter,
+/// skipped ones included. The copies into replicas 1..K-1 run on the same executor as the averaging
+/// (options.run.threads, options.run.pool), split by bytes, with non-temporal stores as
+/// options.run.stores says; an exception from it reaches the caller with replica 0 holding the
 /// means and the other replicas partly written. A null replica is a tower_error.
 inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
                                               const options& opts = {}, const module_options& mopts = {}) {
@@ -58,7 +58,7 @@ inline module_report average_module_gradients(std::span<::torch::nn::Module* con
           std::span<variable_statistics> per_variable) {
         if (prior) std::rethrow_exception(prior);
         options call = opts;
-        call.per_variable = per_variable;
+        call.compute.per_variable = per_variable;
         if (squares) return average_gradients_into(tg, means, *squares, call);
         return average_gradients_into(tg, means, call);
       });
@@ -92,8 +92,8 @@ concept replica_range = std::ranges::random_access_range<R> &&
 /// replicas compute the same eval() outputs from the same parameters. Every replica must list the
 /// same buffers, of one dtype and memory-order shape each (detail::alike_states' errors), all
 /// checked before anything is written. Call it between steps (no thread using the replicas). The
-/// copies run on opts' executor (options.threads, options.pool), split by bytes, through
-/// non-temporal stores as options.stores says; no other field of opts is read.
+/// copies run on opts' executor (options.run.threads, options.run.pool), split by bytes, through
+/// non-temporal stores as options.run.stores says; no other field of opts is read.
 inline void broadcast_buffers(std::span<::torch::nn::Module* const> replicas, const options& opts = {}) {
   detail::copy_state_to_other_replicas(detail::alike_states(replicas, detail::state_kind::buffers), opts);
 }

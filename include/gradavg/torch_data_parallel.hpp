@@ -61,14 +61,14 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 /// require a gradient when the object is built; the replicas must be alike then (broadcast's
 /// checks: names, dtypes, shapes), and must not be rebuilt, moved or re-registered while it lives.
 ///
-/// options.statistics: each bucket's call computes its parameters' sums, and the report adds them
-/// up in bucket order, then the rest's (report.global_norm(), clip_coefficient(), noise()): the
-/// same bits for any thread count and from step to step for the same averaged values, within
-/// rounding of the one-shot call's sums (which add the same terms in another order); across
-/// processes the same bits on every rank. include_square, per_variable and range (results per
-/// element or per parameter over one pass of every parameter) and options.layout are option_error
-/// here: use average_module_gradients for them. weights, scale, accumulate, on_nonfinite (counted
-/// in the report), threads, pool and stores apply to every bucket.
+/// options.compute.statistics: each bucket's call computes its parameters' sums, and the report
+/// adds them up in bucket order, then the rest's (report.global_norm(), clip_coefficient(),
+/// noise()): the same bits for any thread count and from step to step for the same averaged values,
+/// within rounding of the one-shot call's sums (which add the same terms in another order); across
+/// processes the same bits on every rank. module_options::include_square, per_variable and range
+/// (results per element or per parameter over one pass of every parameter) and options.check.layout
+/// are option_error here: use average_module_gradients for them. weights, scale, accumulate,
+/// on_nonfinite (counted in the report), threads, pool and stores apply to every bucket.
 ///
 /// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
 /// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets
@@ -209,7 +209,7 @@ class data_parallel {
       : replicas_(replicas.begin(), replicas.end()), opts_(opts), mopts_(mopts), over_(std::move(over)) {
     std::exception_ptr failure;
     try {
-      detail::check_bucket_options(opts_);
+      detail::check_bucket_options(opts_, mopts_);
       params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
       parameter_count_ = params_.empty() ? 0 : params_[0].size();
       if (!params_.empty())
@@ -326,7 +326,7 @@ class data_parallel {
 
   /// detail::merged_report over this object's parameters and options.
   module_report merged(const std::vector<const module_report*>& reports, std::size_t masked) const {
-    return detail::merged_report(reports, masked, opts_.statistics, params_.empty() ? nullptr : &params_[0]);
+    return detail::merged_report(reports, masked, opts_.compute.statistics, params_.empty() ? nullptr : &params_[0]);
   }
 
   /// Throws for a gradient that a replica produced more than once since the last finish().

@@ -178,12 +178,12 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
                                               const module_options& mopts = {}) {
   // A rank whose replicas cannot be read takes part in the agreement with its error (prior).
   return detail::average_replicas(
-      replicas, opts, mopts,
+      replicas, opts.local(), mopts,
       [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
       [&](const auto& tg, auto& means, std::vector<at::Tensor>* squares, std::exception_ptr prior,
           std::span<variable_statistics> per_variable) {
         gradavg::mpi::options call = opts;
-        call.per_variable = per_variable;
+        call.compute.per_variable = per_variable;
         if (squares) return gradavg::mpi::detail::average_into(comm, tg, means, squares, call, prior);
         return gradavg::mpi::detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
                                                       prior);
@@ -223,7 +223,7 @@ class mpi_data_parallel final : public data_parallel {
   mpi_data_parallel(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
                     const gradavg::mpi::options& opts = {}, const module_options& mopts = {},
                     const bucket_options& buckets = {})
-      : data_parallel(replicas, opts, mopts, buckets, over(comm, replicas, opts, mopts), agreement_on(comm)) {}
+      : data_parallel(replicas, opts.local(), mopts, buckets, over(comm, replicas, opts, mopts), agreement_on(comm)) {}
 
   /// Any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder.
   template <replica_range R>
@@ -239,7 +239,7 @@ class mpi_data_parallel final : public data_parallel {
             mopts](const std::vector<std::uint64_t>& masked,
                    const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params) {
       return detail::average_replicas(
-          std::span<::torch::nn::Module* const>(modules), opts, mopts,
+          std::span<::torch::nn::Module* const>(modules), opts.local(), mopts,
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
           [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
               std::span<variable_statistics>) {

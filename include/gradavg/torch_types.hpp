@@ -34,6 +34,9 @@ struct module_options {
   bool absent_as_zeros = false;
   /// Where the means go (mean_target).
   mean_target means_to = mean_target::every_replica;
+  /// Also return the mean over replicas of each parameter's squared gradient
+  /// (module_report::squares; the seed's include_square=True).
+  bool include_square = false;
 };
 
 /// What average_module_gradients did.
@@ -46,9 +49,9 @@ struct module_report {
   /// Parameters averaged with zeros in place of the gradients some replicas lack
   /// (module_options::absent_as_zeros). In named_parameters() order.
   std::vector<std::string> zero_filled;
-  /// With options.include_square: the mean over replicas of each parameter's squared gradient,
-  /// one new tensor per parameter in named_parameters() order (undefined for a skipped one),
-  /// of its gradient's dtype and memory order. Empty without include_square.
+  /// With module_options::include_square: the mean over replicas of each parameter's squared
+  /// gradient, one new tensor per parameter in named_parameters() order (undefined for a skipped
+  /// one), of its gradient's dtype and memory order. Empty without include_square.
   std::vector<at::Tensor> squares;
 };
 

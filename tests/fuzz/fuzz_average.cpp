@@ -43,8 +43,8 @@ namespace fuzz {
 
 /// The model's view of options{}.aliasing. Switch it together with the library's default.
 constexpr gradavg::alias_check default_aliasing = gradavg::alias_check::all;
-static_assert(gradavg::options{}.aliasing == default_aliasing,
-              "options{}.aliasing changed: update fuzz::default_aliasing, the model of the default");
+static_assert(gradavg::options{}.check.aliasing == default_aliasing,
+              "options{}.check.aliasing changed: update fuzz::default_aliasing, the model of the default");
 
 // ---- The tensors handed to gradavg: views into the arena, and what the allocating API returns.
 
@@ -565,7 +565,7 @@ struct expectation {
   bool success_allowed = false;
   bool success_checked = false;
   gradavg::alias_check mode = default_aliasing;  // what the call checks
-  bool set_mode = false;                           // false: options.aliasing left at its default
+  bool set_mode = false;                           // false: options.check.aliasing left at its default
 };
 
 /// Precedence, as the model states it: the checks run in stages, and only problems of the
@@ -573,10 +573,10 @@ struct expectation {
 ///   1. towers: none, or towers holding different numbers of entries       tower_error
 ///   2. inputs, every variable: variable mismatch, gradient present on some towers only, shape
 ///      mismatch or strided gradient      variable_mismatch_ / missing_gradient_ / shape_error
-///   3. outputs (into): count, null or misshapen or strided output of an averaged variable,
-///      include_square without squares                                      output_error
-///   4. overlaps (into), as options.aliasing says                           aliasing_error
-/// Invalid options of the fused step (weights, scale, samples_per_tower, range, per_variable)
+///   3. outputs (into): count, null or misshapen or strided output of an averaged variable
+///                                                                          output_error
+///   4. overlaps (into), as options.check.aliasing says                           aliasing_error
+/// Invalid options of the fused step (weights, scale, range, per_variable)
 /// belong to no stage: the contract leaves their order against the others open, so either may
 /// be reported, and the call never succeeds.
 /// Outputs of skipped variables are never read, written or checked (null or any shape is fine);
@@ -619,7 +619,6 @@ class model {
     };
     check(c_.means);
     if (c_.pass_squares) check(c_.squares);
-    else if (c_.include_square) out.push_back({fault::output, npos, npos});
     return !out.empty();
   }
 
@@ -673,9 +672,8 @@ class model {
     return r;
   }
 
-  /// Invalid options: weights (weight_error; naming the tower when one weight is wrong),
-  /// scale, samples_per_tower, range, per_variable (option_error). Weights, their sum and the
-  /// scale must be finite in the accumulator type (double for double gradients and for float
+  /// Invalid options: weights (weight_error; naming the tower when one weight is wrong), scale,
+  /// range, per_variable (option_error). Weights, their sum and the scale must be finite in the accumulator type (double for double gradients and for float
   /// ones with accumulation::double_precision, else float), the sum a normal number there.
   void option_stage(std::vector<problem>& out, bool allocating) const {
     const fused_desc& f = c_.fused;
@@ -704,7 +702,6 @@ class model {
     if (f.weights.size() == c_.towers)
       for (std::size_t k = 0; k < c_.towers; ++k)
         if (std::fabs(f.weights[k] * f.scale) > acc_max) out.push_back({fault::weight, npos, npos, k});
-    if (!std::isfinite(f.samples_per_tower) || f.samples_per_tower < 0) out.push_back({fault::option, npos, npos});
     if (f.range_begin > f.range_end || (allocating && !f.default_range())) out.push_back({fault::option, npos, npos});
     if (f.per_variable && f.per_variable_count != 0 && f.per_variable_count != v() &&
         c_.towers > 0 && std::all_of(c_.grads.begin(), c_.grads.end(), [&](const auto& t) { return t.size() == v(); }))
@@ -1161,31 +1158,32 @@ class runner {
 
     const fused_desc& f = c_.fused;
     gradavg::options opts;
-    opts.include_square = c_.include_square;
-    opts.threads = c_.threads;
-    opts.stores = c_.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
-    opts.pool = c_.use_pool ? &shared_pool() : nullptr;
-    opts.accumulate = f.double_precision ? gradavg::accumulation::double_precision : gradavg::accumulation::native;
-    opts.weights = f.weights;
-    opts.scale = f.scale;
-    opts.on_nonfinite = f.on_nonfinite;
-    opts.statistics = f.statistics;
-    opts.samples_per_tower = f.samples_per_tower;
+    opts.run.threads = c_.threads;
+    opts.run.stores = c_.streaming ? gradavg::store_policy::streaming : gradavg::store_policy::regular;
+    opts.run.pool = c_.use_pool ? &shared_pool() : nullptr;
+    opts.compute.accumulate = f.double_precision ? gradavg::accumulation::double_precision : gradavg::accumulation::native;
+    opts.compute.weights = f.weights;
+    opts.compute.scale = f.scale;
+    opts.compute.on_nonfinite = f.on_nonfinite;
+    opts.compute.statistics = f.statistics;
     per_variable_.resize(f.per_variable ? f.per_variable_count : 0);
-    opts.per_variable = per_variable_;
-    opts.range = {f.range_begin, f.range_end};
+    opts.compute.per_variable = per_variable_;
+    opts.compute.range = {f.range_begin, f.range_end};
 
     // The allocating API reads the inputs only.
     const expectation ea = model_.allocating();
     reset_per_variable();
     std::optional<gradavg::averaged_gradients<owned<S>, int>> result;
-    const auto ta = outcome_of([&] { result.emplace(gradavg::average_gradients(tg, opts)); });
+    const auto ta = outcome_of([&] {
+      result.emplace(c_.include_square ? gradavg::average_gradients(tg, gradavg::include_square, opts)
+                                       : gradavg::average_gradients(tg, opts));
+    });
     if (!arena_unchanged()) fail(c_, "average_gradients changed the arena");
     if (check_outcome(c_, "average_gradients", ta, ea)) check_allocating(*result);
-    else if (!per_variable_unchanged()) fail(c_, "average_gradients threw but wrote options.per_variable");
+    else if (!per_variable_unchanged()) fail(c_, "average_gradients threw but wrote options.compute.per_variable");
 
     const expectation ei = model_.into();
-    if (ei.set_mode) opts.aliasing = ei.mode;
+    if (ei.set_mode) opts.check.aliasing = ei.mode;
     reset_per_variable();
     gradavg::summary sum;
     const auto ti = outcome_of([&] {
@@ -1196,7 +1194,7 @@ class runner {
       if (!arena_unchanged())
         fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but changed the arena");
       if (!per_variable_unchanged())
-        fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but wrote options.per_variable");
+        fail(c_, "average_gradients_into threw " + std::string(name(ti->kind)) + " but wrote options.compute.per_variable");
     } else {
       check_into(sum, ei.success_checked);
     }
@@ -1252,7 +1250,7 @@ class runner {
         if (per_variable_[i].nonfinite != per_after[i].nonfinite ||
             std::memcmp(&per_variable_[i].sum_mean_squared, &per_after[i].sum_mean_squared, sizeof(double)) != 0 ||
             std::memcmp(&per_variable_[i].sum_mean_of_squares, &per_after[i].sum_mean_of_squares, sizeof(double)) != 0)
-          fail(c_, what + ": options.per_variable[" + std::to_string(i) + "] differs from the call without a plan");
+          fail(c_, what + ": options.compute.per_variable[" + std::to_string(i) + "] differs from the call without a plan");
     }
     if (p.proofs() != 1) fail(c_, "a plan over unchanged buffers was proved " + std::to_string(p.proofs()) + " times");
   }
@@ -1410,7 +1408,7 @@ class runner {
     const span_of r = range_of(i, allocating);
     if (r.lo == r.hi) {
       if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
-        fail(c_, what + ": options.per_variable[" + std::to_string(i) + "] written for a variable without elements in range");
+        fail(c_, what + ": options.compute.per_variable[" + std::to_string(i) + "] written for a variable without elements in range");
       return;
     }
     const bool flagged = input_nonfinite(i, r);
@@ -1419,7 +1417,7 @@ class runner {
     check_values(i, mean, square, r, flagged, what, total, own);
     if (i >= per_variable_.size()) return;
     const gradavg::variable_statistics& e = per_variable_[i];
-    const std::string entry = what + ": options.per_variable[" + std::to_string(i) + "]";
+    const std::string entry = what + ": options.compute.per_variable[" + std::to_string(i) + "]";
     if (e.nonfinite != (detect_ ? flagged : c_.fused.per_variable_flag))
       fail(c_, entry + ".nonfinite is " + (e.nonfinite ? "true" : "false") +
                    (detect_ ? "" : ", written although on_nonfinite is ignore"));
@@ -1445,8 +1443,7 @@ class runner {
         !(s.skipped == skipped && s.averaged == averaged_or_empty_range_ && tolerated("averaged-counts-empty-range")))
       fail(c_, api + ": summary says " + std::to_string(s.averaged) + " averaged, " + std::to_string(s.skipped) +
                    " skipped; want " + std::to_string(averaged) + ", " + std::to_string(skipped));
-    if (s.towers != c_.towers || !(s.total_samples == c_.fused.samples_per_tower * static_cast<double>(c_.towers)))
-      fail(c_, api + ": summary says towers " + std::to_string(s.towers) + ", total_samples " + to_text(s.total_samples));
+    if (s.towers != c_.towers) fail(c_, api + ": summary says towers " + std::to_string(s.towers));
     const auto& weights = c_.fused.weights;
     const auto weighted = static_cast<std::size_t>(
         weights.empty() ? c_.towers : std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
@@ -1471,6 +1468,16 @@ class runner {
     if (!total.mean_of_squares.matches(s.sum_mean_of_squares))
       fail(c_, api + ": summary.sum_mean_of_squares is " + to_text(s.sum_mean_of_squares) + ", want " +
                    total.mean_of_squares.describe());
+    // noise(samples_per_tower) refuses a negative or non-finite sample count, and only that.
+    const double samples = c_.fused.samples_per_tower;
+    bool refused = false;
+    try {
+      (void)s.noise(samples);
+    } catch (const gradavg::statistics_error&) {
+      refused = true;
+    }
+    if (refused == (std::isfinite(samples) && samples >= 0))
+      fail(c_, api + ": noise(" + to_text(samples) + ") " + (refused ? "threw" : "did not throw"));
   }
 
   GRADAVG_FUZZ_UNTRACED void check_allocating(const gradavg::averaged_gradients<owned<S>, int>& r) {
@@ -1482,7 +1489,7 @@ class runner {
         if (skipped >= r.skipped.size() || r.skipped[skipped].index != i || r.skipped[skipped].variable != variable)
           fail(c_, "average_gradients: skipped list wrong at variable #" + std::to_string(i));
         if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
-          fail(c_, "average_gradients: options.per_variable[" + std::to_string(i) + "] written for a skipped variable");
+          fail(c_, "average_gradients: options.compute.per_variable[" + std::to_string(i) + "] written for a skipped variable");
         ++skipped;
         continue;
       }
@@ -1544,7 +1551,7 @@ class runner {
       for (std::size_t i = 0; i < model_.v(); ++i) {
         if (model_.skipped(i)) {
           if (i < per_variable_.size() && !entry_unchanged(per_variable_[i]))
-            fail(c_, "average_gradients_into: options.per_variable[" + std::to_string(i) + "] written for a skipped variable");
+            fail(c_, "average_gradients_into: options.compute.per_variable[" + std::to_string(i) + "] written for a skipped variable");
           continue;
         }
         const S* square = c_.pass_squares ? arena_ + c_.squares[i].offset : nullptr;

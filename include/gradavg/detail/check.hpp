@@ -230,39 +230,38 @@ inline bool usable_weight_sum(double sum, double accumulator_max) noexcept {
 /// weights may sum to 0 (the sum over every rank is checked once the ranks' sums are known).
 inline void validate_options(const options& opts, std::size_t towers, std::size_t variables,
                              double accumulator_max, bool partial_weights = false) {
-  if (!opts.weights.empty()) {
-    if (opts.weights.size() != towers)
-      throw weight_error("gradavg: options.weights holds " + std::to_string(opts.weights.size()) +
+  const compute_options& c = opts.compute;
+  if (!c.weights.empty()) {
+    if (c.weights.size() != towers)
+      throw weight_error("gradavg: options.compute.weights holds " + std::to_string(c.weights.size()) +
                          " weights but there are " + std::to_string(towers) + " towers; pass one per tower");
     double sum = 0;
     for (std::size_t k = 0; k < towers; ++k) {
-      const double w = opts.weights[k];
+      const double w = c.weights[k];
       if (!std::isfinite(w) || w < 0 || w > accumulator_max)
-        throw weight_error("gradavg: options.weights: the weight of tower " + std::to_string(k) + " is " +
+        throw weight_error("gradavg: options.compute.weights: the weight of tower " + std::to_string(k) + " is " +
                            describe_number(w) + "; weights must be finite (in the accumulator type) and >= 0");
       sum += w;
     }
     // The sum becomes the divisor in the accumulator type: it must stay positive and finite there.
     if (!(partial_weights ? sum <= accumulator_max : usable_weight_sum(sum, accumulator_max)))
-      throw weight_error("gradavg: options.weights sum to " + describe_number(sum) +
+      throw weight_error("gradavg: options.compute.weights sum to " + describe_number(sum) +
                          "; the sum must be positive and finite (a normal number in the accumulator type)");
   }
-  if (!std::isfinite(opts.scale) || std::abs(opts.scale) > accumulator_max)
-    throw option_error("gradavg: options.scale is " + describe_number(opts.scale) +
+  if (!std::isfinite(c.scale) || std::abs(c.scale) > accumulator_max)
+    throw option_error("gradavg: options.compute.scale is " + describe_number(c.scale) +
                        "; it must be finite (in the accumulator type)");
   // The scale is folded into every tower's weight: each product must stay finite there too.
-  for (std::size_t k = 0; k < opts.weights.size(); ++k)
-    if (std::abs(opts.weights[k] * opts.scale) > accumulator_max)
-      throw weight_error("gradavg: options.weights: the weight of tower " + std::to_string(k) + " times options.scale is " +
-                         describe_number(opts.weights[k] * opts.scale) + ", beyond the accumulator type's range");
-  if (!std::isfinite(opts.samples_per_tower) || opts.samples_per_tower < 0)
-    throw option_error("gradavg: options.samples_per_tower is " + describe_number(opts.samples_per_tower) +
-                       "; it must be finite and >= 0 (0: unknown)");
-  if (opts.range.begin > opts.range.end)
-    throw option_error("gradavg: options.range begins at " + std::to_string(opts.range.begin) + " after its end " +
-                       std::to_string(opts.range.end));
-  if (!opts.per_variable.empty() && opts.per_variable.size() != variables)
-    throw option_error("gradavg: options.per_variable holds " + std::to_string(opts.per_variable.size()) +
+  for (std::size_t k = 0; k < c.weights.size(); ++k)
+    if (std::abs(c.weights[k] * c.scale) > accumulator_max)
+      throw weight_error("gradavg: options.compute.weights: the weight of tower " + std::to_string(k) +
+                         " times options.compute.scale is " + describe_number(c.weights[k] * c.scale) +
+                         ", beyond the accumulator type's range");
+  if (c.range.begin > c.range.end)
+    throw option_error("gradavg: options.compute.range begins at " + std::to_string(c.range.begin) + " after its end " +
+                       std::to_string(c.range.end));
+  if (!c.per_variable.empty() && c.per_variable.size() != variables)
+    throw option_error("gradavg: options.compute.per_variable holds " + std::to_string(c.per_variable.size()) +
                        " entries but the towers hold " + std::to_string(variables) +
                        " variables; pass one per variable or none");
 }
@@ -289,19 +288,12 @@ void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count
   }
 }
 
-/// Throws the first output error of a validated tower_grads, in the order: means, include_square
-/// without squares, squares. Returns when there is none.
+/// Throws the first output error of a validated tower_grads, means before squares. Returns when
+/// there is none.
 template <class TG, class Means, class Squares>
-void validate_all_outputs(const TG& tg, Means& means, Squares* squares, std::size_t variable_count,
-                          const options& opts) {
+void validate_all_outputs(const TG& tg, Means& means, Squares* squares, std::size_t variable_count) {
   validate_outputs(tg, means, variable_count, "means");
-  if constexpr (std::is_same_v<Squares, std::nullptr_t>) {
-    if (opts.include_square)
-      throw output_error(
-          "gradavg: options.include_square is set but no squares outputs were passed to average_gradients_into");
-  } else {
-    validate_outputs(tg, *squares, variable_count, "squares");
-  }
+  if constexpr (!std::is_same_v<Squares, std::nullptr_t>) validate_outputs(tg, *squares, variable_count, "squares");
 }
 
 }  // namespace detail

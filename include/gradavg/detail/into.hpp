@@ -37,7 +37,7 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   const validated v =
       validate_into<TG, Means, Squares, S, O>(tg, means, squares, planned != nullptr ? proving : opts, scratch);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-  if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.aliasing);
+  if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.check.aliasing);
   if (v.layout != nullptr)  // always with a plan
     return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
 

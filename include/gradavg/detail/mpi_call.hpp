@@ -31,6 +31,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
   using base::means;
   using base::squares;
   using base::opts;
+  using base::local;
   using base::work;
   using base::rank;
   using base::ranks;
@@ -67,7 +68,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
   /// Header fields that may change from step to step without a new agreement on the variables:
   /// gathered again (collective 2) when they differ from the agreed ones.
   static constexpr bool step_value(std::size_t f) noexcept {
-    return f == h_weight_sum || f == h_weighted_towers || f == h_scale || f == h_samples || f == h_range_begin ||
+    return f == h_weight_sum || f == h_weighted_towers || f == h_scale || f == h_range_begin ||
            f == h_range_end;
   }
 
@@ -78,7 +79,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
     using gradavg::detail::plan_access;
     if (planned == nullptr ||
         !gradavg::detail::matches_plan<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, means,
-                                             squares, opts))
+                                             squares, local))
       return 0;
     if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
     const std::vector<std::uint64_t>& agreed = plan_access::agreed(*planned);
@@ -91,7 +92,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
         if (!step_value(f)) return 0;
         step_values_differ = true;
       }
-    return step_values_differ || !opts.weights.empty() ? 1 : 2;
+    return step_values_differ || !opts.compute.weights.empty() ? 1 : 2;
   }
 
   /// After every rank agreed: the plan keeps it (its room was reserved by local_checks).
@@ -133,19 +134,18 @@ struct call : data_path<TG, Means, Squares, S, O> {
     header[h_towers] = std::ranges::size(tg);
     header[h_variables] = 0;
     header[h_squares] = with_squares;
-    header[h_policy] = static_cast<std::uint64_t>(opts.on_nonfinite) | (opts.statistics ? 16u : 0u) |
-                       (static_cast<std::uint64_t>(opts.accumulate) << 8);
-    header[h_range_begin] = opts.range.begin;
-    header[h_range_end] = opts.range.end;
-    header[h_fusion_bytes] = opts.fusion_bytes;
+    header[h_policy] = static_cast<std::uint64_t>(opts.compute.on_nonfinite) | (opts.compute.statistics ? 16u : 0u) |
+                       (static_cast<std::uint64_t>(opts.compute.accumulate) << 8);
+    header[h_range_begin] = opts.compute.range.begin;
+    header[h_range_end] = opts.compute.range.end;
+    header[h_fusion_bytes] = opts.exchange.fusion_bytes;
     header[h_types] = type_code<S>() | type_code<O>() << 8;
-    header[h_scale] = double_to_bits(opts.scale);
-    header[h_samples] = double_to_bits(opts.samples_per_tower);
-    header[h_per_variable] = opts.per_variable.empty() ? 0 : 1;
-    header[h_exchange] = static_cast<std::uint64_t>(opts.exchange);
-    header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.weights, std::ranges::size(tg)));
+    header[h_scale] = double_to_bits(opts.compute.scale);
+    header[h_per_variable] = opts.compute.per_variable.empty() ? 0 : 1;
+    header[h_exchange] = static_cast<std::uint64_t>(opts.exchange.method);
+    header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.compute.weights, std::ranges::size(tg)));
     header[h_weighted_towers] =
-        opts.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.weights);
+        opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
   }
 
   /// This rank's per-variable words (presence state, identity and shape fingerprints, each with
@@ -194,34 +194,34 @@ struct call : data_path<TG, Means, Squares, S, O> {
         header[h_variables] = variables;
         const std::size_t P = static_cast<std::size_t>(ranks);
         work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
-        if (opts.fusion_bytes != 0 && (sizeof(Buf) * 2 > opts.fusion_bytes || opts.fusion_bytes > (std::size_t{1} << 30)))
-          throw option_error("gradavg::mpi: options.fusion_bytes is " + std::to_string(opts.fusion_bytes) +
+        const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
+        if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
+          throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-        if (planned != nullptr) gradavg::detail::check_no_layout_with(*planned, opts);
+        if (planned != nullptr) gradavg::detail::check_no_layout_with(*planned, local);
         plan_state = plan_state_here(header);
         if (plan_state != 0) {
-          gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
+          gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
           restore_own_words();
           prepare();
           return failure;
         }
-        gradavg::options proving;  // with a plan: opts, the checks' layout kept in the plan
-        if (planned != nullptr) proving = gradavg::detail::proving_into(*planned, opts);
+        gradavg::options proving;  // with a plan: local, the checks' layout kept in the plan
+        if (planned != nullptr) proving = gradavg::detail::proving_into(*planned, local);
         bool proved = true;
         gradavg::detail::validated v;
         try {
           gradavg::detail::check_scratch scratch;
-          const gradavg::options& checked = opts;
           v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares,
-                                                                      planned != nullptr ? proving : checked, scratch);
+                                                                      planned != nullptr ? proving : local, scratch);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
           proved = false;
         }
-        gradavg::detail::validate_options(opts, towers, variables, gradavg::detail::accumulator_max<S>(opts), true);
+        gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
         if (planned != nullptr && proved) {
           gradavg::detail::keep_proof<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, v,
-                                            opts.aliasing);
+                                            opts.check.aliasing);
           gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
         }
         const bool any_present = fill_variable_words();
@@ -276,19 +276,19 @@ struct call : data_path<TG, Means, Squares, S, O> {
                            "; every rank must pass the same element types");
     }
     for (const named& n : {named{h_squares, "whether squares outputs are passed"},
-                           named{h_policy, "options.on_nonfinite, statistics or accumulate"},
-                           named{h_range_begin, "options.range"}, named{h_range_end, "options.range"},
-                           named{h_fusion_bytes, "options.fusion_bytes"}, named{h_scale, "options.scale"},
-                           named{h_samples, "options.samples_per_tower"},
-                           named{h_per_variable, "whether options.per_variable is passed"},
-                           named{h_exchange, "options.exchange"}})
+                           named{h_policy, "options.compute.on_nonfinite, statistics or accumulate"},
+                           named{h_range_begin, "options.compute.range"}, named{h_range_end, "options.compute.range"},
+                           named{h_fusion_bytes, "options.exchange.fusion_bytes"},
+                           named{h_scale, "options.compute.scale"},
+                           named{h_per_variable, "whether options.compute.per_variable is passed"},
+                           named{h_exchange, "options.exchange.method"}})
       if (const rank_split d = split_on(n.f); !d.odd.empty())
         throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
                            " a different " + std::string(n.what) + " than " + rank_list(d.common) +
                            "; every rank must pass the same");
     const double weight_sum = total_weight(all);
-    if (!gradavg::detail::usable_weight_sum(weight_sum, gradavg::detail::accumulator_max<S>(opts)))
-      throw weight_error("gradavg::mpi: options.weights sum to " + gradavg::detail::describe_number(weight_sum) +
+    if (!gradavg::detail::usable_weight_sum(weight_sum, gradavg::detail::accumulator_max<S>(local)))
+      throw weight_error("gradavg::mpi: options.compute.weights sum to " + gradavg::detail::describe_number(weight_sum) +
                          " over the towers of every rank; that sum must be positive and finite (a normal number in "
                          "the accumulator type); one rank's may be 0");
   }
@@ -378,7 +378,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
         agree_on_headers(work.words.data());
         keep_agreement(header);
       }
-      return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return this->template run<Acc>(); });
+      return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
     }
     // Collective 2: every rank's header. After it, every rank holds the same variable count
     // (or throws).
@@ -388,12 +388,13 @@ struct call : data_path<TG, Means, Squares, S, O> {
     agree_on_headers(work.words.data());
     // Collective 3: per-variable presence and fingerprints, maximum and minimum over ranks.
     const std::size_t vw = variables * variable_words;
-    std::uint64_t* local = work.words.data() + header_bytes;
+    std::uint64_t* words_here = work.words.data() + header_bytes;
     if (vw != 0)
-      check(MPI_Allreduce(local, local + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm), "MPI_Allreduce");
-    if (const auto [i, how] = first_disagreement(local + vw, variables); how != 0) throw_variable_error(i, how);
+      check(MPI_Allreduce(words_here, words_here + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm),
+            "MPI_Allreduce");
+    if (const auto [i, how] = first_disagreement(words_here + vw, variables); how != 0) throw_variable_error(i, how);
     if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) keep_agreement(header);
-    return gradavg::detail::with_accumulator<S>(opts, [&]<class Acc>() { return this->template run<Acc>(); });
+    return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
   }
 };
 
@@ -401,7 +402,7 @@ template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                            std::exception_ptr prior, plan* planned) {
   workspace own;
-  shared_detail::buffers& work = shared_detail::access::of(opts.work ? *opts.work : own);
+  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
   return call<TG, Means, Squares, S, O>{{comm, tg, means, squares, opts, work}, planned}(prior);
 }
 

@@ -37,6 +37,7 @@ struct data_path {
   Squares* squares;
   const mpi::options& opts;
   shared_detail::buffers& work;
+  const gradavg::options local = opts.local();  // the groups the one-process code takes
   int rank = 0, ranks = 1;
   std::size_t towers = 0, variables = 0;
   first_mpi_failure failed{};
@@ -72,11 +73,11 @@ struct data_path {
   std::size_t total = 0;            // elements of the variables present on every local tower
   std::size_t range_begin = 0, range_end = 0;
   std::size_t bucket_elements = 0, buckets = 0;
-  bool stream_outputs = false;  // options.stores decided for this rank's data (prepare())
+  bool stream_outputs = false;  // options.run.stores decided for this rank's data (prepare())
   bucket_set set[3] = {};
 
-  bool squares_in_buffer() const noexcept { return with_squares || opts.statistics; }
-  bool detect() const noexcept { return opts.on_nonfinite != nonfinite_policy::ignore; }
+  bool squares_in_buffer() const noexcept { return with_squares || opts.compute.statistics; }
+  bool detect() const noexcept { return opts.compute.on_nonfinite != nonfinite_policy::ignore; }
 
   /// This rank's tables (tower pointers, outputs, sizes and offsets, per-variable sums) and fusion
   /// buffers, from its own towers: a variable present on every local tower is taken as averaged
@@ -111,17 +112,19 @@ struct data_path {
       total += size;
       work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
     }
-    range_begin = std::min(opts.range.begin, total);
-    range_end = std::min(opts.range.end, total);
+    range_begin = std::min(opts.compute.range.begin, total);
+    range_end = std::min(opts.compute.range.end, total);
     buckets = 0;
-    // The rank's reads of its towers and writes of its outputs decide the stores (options.stores).
-    stream_outputs = gradavg::detail::streams(
-        opts, (range_end - std::min(range_begin, range_end)) * (towers * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O)));
+    // The rank's reads of its towers and writes of its outputs decide the stores
+    // (options.run.stores).
+    const std::size_t element_traffic = towers * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
+    stream_outputs = gradavg::detail::streams(local, (range_end - std::min(range_begin, range_end)) * element_traffic);
     if (range_begin >= range_end) return;
 
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
-    const std::size_t fusion_bytes = opts.fusion_bytes != 0 ? opts.fusion_bytes : mpi::automatic_fusion_bytes(ranks);
+    const std::size_t asked = opts.exchange.fusion_bytes;
+    const std::size_t fusion_bytes = asked != 0 ? asked : mpi::automatic_fusion_bytes(ranks);
     bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
     const std::size_t n = range_end - range_begin;
     buckets = (n + bucket_elements - 1) / bucket_elements;
@@ -135,7 +138,7 @@ struct data_path {
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     const std::size_t P = static_cast<std::size_t>(ranks);
     work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
-    work.counts.resize(opts.exchange == mpi::exchange_method::collectives ? sets * 4 * P : 0);
+    work.counts.resize(opts.exchange.method == mpi::exchange_method::collectives ? sets * 4 * P : 0);
     for (std::size_t s = 0; s < sets; ++s)
       set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P,
                 work.counts.empty() ? nullptr : work.counts.data() + s * 4 * P, 0};
@@ -163,12 +166,13 @@ struct data_path {
   double everything_mean_squared = 0, everything_mean_of_squares = 0;
   std::size_t nonfinite_variables = 0;
 
-  bool zero_nonfinite() const noexcept { return opts.on_nonfinite == nonfinite_policy::zero; }
+  bool zero_nonfinite() const noexcept { return opts.compute.on_nonfinite == nonfinite_policy::zero; }
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
-  /// options.exchange: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in bytes, in
-  /// slice_buffers::counts), or point-to-point messages (tags exchange_tag and gather_tag on comm).
-  bool collectives() const noexcept { return opts.exchange == mpi::exchange_method::collectives; }
+  /// options.exchange.method: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in
+  /// bytes, in slice_buffers::counts), or point-to-point messages (tags exchange_tag and gather_tag
+  /// on comm).
+  bool collectives() const noexcept { return opts.exchange.method == mpi::exchange_method::collectives; }
   /// How this rank moves a bucket's slices (mpi_slices.hpp).
   slice_exchange<Buf> slices() noexcept { return {comm, rank, ranks, collectives(), failed}; }
   /// Variable i's element count and first flat element (prepare()'s table).
@@ -237,12 +241,12 @@ struct data_path {
     }
   }
 
-  /// options.threads / pool: the bucket split into chunks (the sums do not depend on the split).
+  /// options.run.threads / pool: the bucket split into chunks (the sums do not depend on the split).
   void fill(const bucket_shape& sh, Buf* buffer) {
     const std::size_t elements = sh.end - sh.begin;
     std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
     const std::size_t chunks =
-        gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), opts);
+        gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), local);
     if (chunks <= 1) {
       fill_range(sh, buffer, sh.begin, sh.end, true);
       return;
@@ -250,7 +254,7 @@ struct data_path {
     auto chunk = [&](std::size_t c) {
       fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
     };
-    gradavg::detail::run_chunks(chunks, chunk, opts);
+    gradavg::detail::run_chunks(chunks, chunk, local);
   }
 
 
@@ -269,10 +273,10 @@ struct data_path {
       if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
       acc[0] = acc[1] = 0;
     }
-    if (!opts.per_variable.empty()) {
-      variable_statistics& out = opts.per_variable[i];
+    if (!opts.compute.per_variable.empty()) {
+      variable_statistics& out = opts.compute.per_variable[i];
       if (detect()) out.nonfinite = nonfinite;
-      if (opts.statistics) {
+      if (opts.compute.statistics) {
         out.sum_mean_squared = acc[0];
         out.sum_mean_of_squares = acc[1];
       }
@@ -322,7 +326,7 @@ struct data_path {
       };
       divide_into(sums + at, m);
       if (q) divide_into(sq + at, q);
-      if (opts.statistics) {
+      if (opts.compute.statistics) {
         // From the values in Acc, before any rounding to O; one running sum per variable in
         // element order, carried across buckets: the same bits whatever the bucket size.
         double mean_squared = acc[0], mean_of_squares = acc[1];
@@ -361,8 +365,7 @@ struct data_path {
     result.skipped = variables - averaged;
     result.towers = total_towers;
     result.weighted_towers = weighted_towers;
-    result.statistics = opts.statistics;
-    result.total_samples = opts.samples_per_tower * static_cast<double>(total_towers);
+    result.statistics = opts.compute.statistics;
     const bool whole = range_begin == 0 && range_end == total;
     result.averaged = averaged;
     if (!whole) {
@@ -374,12 +377,12 @@ struct data_path {
                                : 0;
     }
     if (range_begin >= range_end) {
-      if (opts.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
+      if (opts.compute.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
       return result;
     }
-    const double* weights = opts.weights.empty() ? nullptr : opts.weights.data();
-    fused = weights != nullptr || opts.scale != 1.0 || detect();
-    params = {weights, opts.scale, static_cast<Buf>(opts.scale), detect(), false};
+    const double* weights = opts.compute.weights.empty() ? nullptr : opts.compute.weights.data();
+    fused = weights != nullptr || opts.compute.scale != 1.0 || detect();
+    params = {weights, opts.compute.scale, static_cast<Buf>(opts.compute.scale), detect(), false};
     walk_variable = 0;
     everything_mean_squared = everything_mean_of_squares = 0;
     nonfinite_variables = 0;
@@ -417,7 +420,7 @@ struct data_path {
                          " failed while averaging (an exception from user code there, after validation: see the "
                          "error thrown there); the outputs of this call are partly written on every rank");
     result.nonfinite_variables = nonfinite_variables;
-    if (opts.statistics) {
+    if (opts.compute.statistics) {
       result.sum_mean_squared = everything_mean_squared;
       result.sum_mean_of_squares = everything_mean_of_squares;
     }

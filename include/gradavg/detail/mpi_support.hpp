@@ -114,7 +114,6 @@ enum header_field : std::size_t {
   h_weight_sum,   // bits of the double sum of this rank's weights (T when none)
   h_weighted_towers,  // this rank's towers of positive weight (T when no weights)
   h_scale,        // bits of the scale
-  h_samples,      // bits of samples_per_tower
   h_per_variable,  // per_variable passed
   h_exchange,     // exchange_method
   header_words

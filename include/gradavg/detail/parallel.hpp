@@ -29,16 +29,16 @@ inline constexpr std::size_t max_chunks = 256;
 
 /// The thread count that options ask for (see options::threads).
 inline std::size_t requested_threads(const options& opts) noexcept {
-  if (opts.threads != default_threads && opts.threads != 0) return opts.threads;
-  if (opts.pool != nullptr) return std::max<std::size_t>(1, opts.pool->concurrency());
-  return opts.threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : 1;
+  if (opts.run.threads != default_threads && opts.run.threads != 0) return opts.run.threads;
+  if (opts.run.pool != nullptr) return std::max<std::size_t>(1, opts.run.pool->concurrency());
+  return opts.run.threads == 0 ? std::max(1u, std::thread::hardware_concurrency()) : 1;
 }
 
 /// Whether a call that reads and writes `bytes` in all stores its outputs non-temporally
 /// (options::stores).
 inline bool streams(const options& opts, std::size_t bytes) noexcept {
-  return opts.stores == store_policy::streaming ||
-         (opts.stores == store_policy::automatic && bytes >= streaming_threshold_bytes);
+  return opts.run.stores == store_policy::streaming ||
+         (opts.run.stores == store_policy::automatic && bytes >= streaming_threshold_bytes);
 }
 
 /// How many chunks a call over total elements, each moving bytes_per_element, splits into: at
@@ -119,8 +119,8 @@ void run_chunks(std::size_t chunks, Chunk& chunk, const options& opts) {
     }
   };
 
-  if (opts.pool != nullptr) {
-    opts.pool->parallel_for(chunks, task_ref(guarded));  // its own exceptions propagate
+  if (opts.run.pool != nullptr) {
+    opts.run.pool->parallel_for(chunks, task_ref(guarded));  // its own exceptions propagate
   } else {
     std::vector<std::jthread> started;
     std::size_t first_unstarted = chunks;

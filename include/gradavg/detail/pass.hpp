@@ -54,8 +54,9 @@ static_assert(std::is_trivially_default_constructible_v<segment_record>);
 
 /// Whether options ask for anything beyond the plain mean (and squares).
 inline bool fused_requested(const options& opts) noexcept {
-  return !opts.weights.empty() || opts.scale != 1.0 || opts.on_nonfinite != nonfinite_policy::ignore ||
-         opts.statistics || !opts.per_variable.empty();
+  const compute_options& c = opts.compute;
+  return !c.weights.empty() || c.scale != 1.0 || c.on_nonfinite != nonfinite_policy::ignore || c.statistics ||
+         !c.per_variable.empty();
 }
 
 /// What the pass over all variables reports (summary's counts except skipped).
@@ -103,14 +104,14 @@ class pass_run {
         with_squares_(with_squares),
         opts_(opts),
         fused_(fused_requested(opts)),
-        zero_nonfinite_(opts.on_nonfinite == nonfinite_policy::zero) {
+        zero_nonfinite_(opts.compute.on_nonfinite == nonfinite_policy::zero) {
     total_ = source.total;
     if (total_ == source.unknown_total) {
       total_ = 0;
       for (std::size_t i = 0; i < variables_; ++i) total_ += size_of(i);
     }
-    range_begin_ = std::min(opts.range.begin, total_);
-    range_end_ = std::min(opts.range.end, total_);
+    range_begin_ = std::min(opts.compute.range.begin, total_);
+    range_end_ = std::min(opts.compute.range.end, total_);
   }
 
   /// Runs the kernel over the range (threads as options say) and returns what it found.
@@ -121,10 +122,11 @@ class pass_run {
     const std::size_t n = range_end_ - range_begin_;
     if (n == 0) return result;
 
-    divisor_ = static_cast<Acc>(weight_sum(opts_.weights, towers_));
+    const compute_options& c = opts_.compute;
+    divisor_ = static_cast<Acc>(weight_sum(c.weights, towers_));
     // validate_options: the scale and every weight times it are representable in Acc.
-    params_ = {opts_.weights.empty() ? nullptr : opts_.weights.data(), opts_.scale, static_cast<Acc>(opts_.scale),
-               opts_.on_nonfinite != nonfinite_policy::ignore, opts_.statistics};
+    params_ = {c.weights.empty() ? nullptr : c.weights.data(), c.scale, static_cast<Acc>(c.scale),
+               c.on_nonfinite != nonfinite_policy::ignore, c.statistics};
 
     segment_ = split_granularity<Acc>();
     while ((n + segment_ - 1) / segment_ > max_segments) segment_ *= 2;
@@ -186,10 +188,10 @@ class pass_run {
   /// A variable's combined result: zeroed when the policy says, reported per variable.
   void finish_variable(std::size_t i, piece_result& r) const {
     if (zero_nonfinite_ && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
-    if (!opts_.per_variable.empty()) {
-      variable_statistics& out = opts_.per_variable[i];
-      if (opts_.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
-      if (opts_.statistics) {
+    if (!opts_.compute.per_variable.empty()) {
+      variable_statistics& out = opts_.compute.per_variable[i];
+      if (opts_.compute.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+      if (opts_.compute.statistics) {
         out.sum_mean_squared = r.sum_mean_squared;
         out.sum_mean_of_squares = r.sum_mean_of_squares;
       }
@@ -312,7 +314,7 @@ class pass_run {
 };
 
 /// Runs the kernel over every variable of source, summing in Acc and writing O.
-/// The elements of options.range form one flat range, split into contiguous chunks of whole
+/// The elements of options.compute.range form one flat range, split into contiguous chunks of whole
 /// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
 /// share a fork/join.
 template <class S, class Acc, class O>
@@ -371,7 +373,7 @@ pass_result average_all_entries(const TG& tg, std::size_t variable_count, const 
 template <class S, class F>
 decltype(auto) with_accumulator(const options& opts, F&& f) {
   if constexpr (std::is_same_v<S, float>) {
-    if (opts.accumulate == accumulation::double_precision) return f.template operator()<double>();
+    if (opts.compute.accumulate == accumulation::double_precision) return f.template operator()<double>();
   }
   return f.template operator()<accumulator_t<S>>();
 }
@@ -389,14 +391,13 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   r.averaged = pass.whole_range ? averaged : pass.written;
   r.skipped = skipped;
   r.nonfinite_variables = pass.nonfinite;
-  r.statistics = opts.statistics;
-  if (opts.statistics) {
+  r.statistics = opts.compute.statistics;
+  if (opts.compute.statistics) {
     r.sum_mean_squared = pass.sum_mean_squared;
     r.sum_mean_of_squares = pass.sum_mean_of_squares;
   }
   r.towers = towers;
-  r.weighted_towers = opts.weights.empty() ? towers : positive_weights(opts.weights);
-  r.total_samples = opts.samples_per_tower * static_cast<double>(towers);
+  r.weighted_towers = opts.compute.weights.empty() ? towers : positive_weights(opts.compute.weights);
   return r;
 }
 
@@ -413,13 +414,14 @@ summary average_layout(const byte_range* layout, std::size_t variables, std::siz
 }
 
 /// The allocating API's pass with gradients read as S (results of the same element type),
-/// after validation.
+/// after validation; with_squares: the means of squares are returned too.
 template <class S, class TG, class R, class V>
 void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
-                             averaged_gradients<R, V>& result, const options& opts) {
+                             averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
   validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
-  if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
-    throw option_error("gradavg: options.range is for average_gradients_into; average_gradients returns whole variables");
+  if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
+    throw option_error(
+        "gradavg: options.compute.range is for average_gradients_into; average_gradients returns whole variables");
   std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
   using G = gradient_tensor_t<TG>;  // its tensor_traits make the results (of type R)
   auto make = [&](const shape& dims) {
@@ -436,7 +438,7 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
     }
     slot_of[i] = result.gradients.size();
     result.gradients.emplace_back(make(g0.dims), variable_copy(tower_grads, i));
-    if (opts.include_square) result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
+    if (with_squares) result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
   }
 
   const pass_result pass = with_accumulator<S>(opts, [&]<class Acc>() {
@@ -444,9 +446,9 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
         tower_grads, variable_count,
         [&](std::size_t i) { return typed_mutable_data<S>(result.gradients[slot_of[i]].first); },
         [&](std::size_t i) -> S* {
-          return opts.include_square ? typed_mutable_data<S>(result.squares[slot_of[i]].first) : nullptr;
+          return with_squares ? typed_mutable_data<S>(result.squares[slot_of[i]].first) : nullptr;
         },
-        opts.include_square, opts);
+        with_squares, opts);
   });
   result.report = make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
                                pass, opts);

@@ -27,9 +27,9 @@ constexpr int alias_strength(alias_check a) noexcept {
 
 /// A call with a plan may not also pass a layout_cache (option_error; the plan is emptied).
 inline void check_no_layout_with(plan& p, const options& opts) {
-  if (opts.layout == nullptr) return;
+  if (opts.check.layout == nullptr) return;
   plan_access::ready(p) = false;
-  throw option_error("gradavg: options.layout and a plan were both given; a plan keeps its own proof");
+  throw option_error("gradavg: options.check.layout and a plan were both given; a plan keeps its own proof");
 }
 
 /// The options for validate_into in a call that proves into p: opts, with p's layout_cache as
@@ -38,7 +38,7 @@ inline void check_no_layout_with(plan& p, const options& opts) {
 inline options proving_into(plan& p, const options& opts) {
   plan_access::ready(p) = false;
   options checked = opts;
-  checked.layout = &plan_access::proof(p);
+  checked.check.layout = &plan_access::proof(p);
   return checked;
 }
 
@@ -55,7 +55,7 @@ GRADAVG_HOT_ bool output_matches(Slot&& s, const byte_range& expected) {
 }
 
 /// Whether every buffer of this call is one p proved for the same signature, towers, variables,
-/// squares, element types S / O and at least options.aliasing's overlap check: each gradient
+/// squares, element types S / O and at least options.check.aliasing's overlap check: each gradient
 /// present exactly where it was, and every present gradient and output of an averaged variable
 /// contiguous, of type S / O, at the same first element with the same element count. False too
 /// when a tensor_traits function throws: the full checks then locate the error.
@@ -69,7 +69,7 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
   const std::size_t variables = A::variables(p);
   if (!A::ready(p) || A::signature(p) != signature || A::towers(p) != towers || A::squares(p) != with_squares ||
       A::gradients(p) != element_of_type<S>() || A::outputs(p) != element_of_type<O>() ||
-      alias_strength(opts.aliasing) > alias_strength(A::proved(p)) || (opts.include_square && !with_squares) ||
+      alias_strength(opts.check.aliasing) > alias_strength(A::proved(p)) ||
       std::ranges::size(means) != variables)
     return false;
   if constexpr (with_squares) {

@@ -21,14 +21,16 @@ namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// option_error for the options that span every parameter in one pass (include_square,
-/// per_variable, range) and for options.layout: buckets are calls over parts of the parameters.
-inline void check_bucket_options(const options& opts) {
+/// option_error for the options that span every parameter in one pass
+/// (module_options::include_square, options.compute.per_variable and range) and for
+/// options.check.layout: buckets are calls over parts of the parameters.
+inline void check_bucket_options(const options& opts, const module_options& mopts) {
   const char* what = nullptr;
-  if (opts.include_square) what = "options.include_square";
-  else if (!opts.per_variable.empty()) what = "options.per_variable";
-  else if (opts.range.begin != 0 || opts.range.end != element_range{}.end) what = "options.range";
-  else if (opts.layout != nullptr) what = "options.layout";
+  if (mopts.include_square) what = "module_options::include_square";
+  else if (!opts.compute.per_variable.empty()) what = "options.compute.per_variable";
+  else if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
+    what = "options.compute.range";
+  else if (opts.check.layout != nullptr) what = "options.check.layout";
   if (what != nullptr)
     throw option_error(std::string("gradavg::libtorch::data_parallel: ") + what +
                        " is not available with buckets (it spans every parameter); use average_module_gradients");
@@ -108,7 +110,6 @@ inline module_report merged_report(const std::vector<const module_report*>& repo
     add_part(all.report, r->report);  // without statistics the sums stay NaN, as every call's are
     all.report.towers = r->report.towers;
     all.report.weighted_towers = r->report.weighted_towers;
-    all.report.total_samples = r->report.total_samples;
     for (const auto& name : r->skipped) skipped.emplace_back(index_of(name), name);
     for (const auto& name : r->zero_filled) zero_filled.emplace_back(index_of(name), name);
   }

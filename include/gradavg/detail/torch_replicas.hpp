@@ -86,7 +86,7 @@ inline void copy_bytes(std::byte* to, const std::byte* from, std::size_t bytes, 
 /// memory-order shapes and dtype equal, so the bytes lie in the same order), on the executor opts
 /// name: the means' bytes, as one flat range, split into chunks as the averaging splits its
 /// elements, each chunk copying blocks small enough to stay in cache into every replica in turn
-/// (each mean is read from memory once), through non-temporal stores as options.stores says
+/// (each mean is read from memory once), through non-temporal stores as options.run.stores says
 /// (automatic: by the bytes the copies read and write).
 /// An exception from the executor propagates, the copies then partly done.
 template <class TG>
@@ -114,7 +114,7 @@ void copy_to_replicas(const TG& tg, const std::vector<at::Tensor>& means, std::s
     total += means[i].nbytes();
   }
   if (total == 0) return;
-  // Each mean is read once and written into every destination (options.stores).
+  // Each mean is read once and written into every destination (options.run.stores).
   const std::size_t stop_replica = std::min(end_replica, tg.size());
   const bool stream =
       gradavg::detail::streams(opts, total * (1 + stop_replica - std::min(first_replica, stop_replica)));
@@ -273,7 +273,8 @@ struct replica_call {
     }
   }
 
-  /// options.include_square: new tensors laid out as the means (the same memory-order shapes).
+  /// module_options::include_square: new tensors laid out as the means (the same memory-order
+  /// shapes).
   void make_squares() noexcept {
     if (prior) return;
     try {
@@ -294,11 +295,12 @@ struct replica_call {
     try {
       groups = dtype_groups(parameters()[0]);
       if (groups.size() > 1) {
-        if (opts.range.begin != 0 || opts.range.end != element_range{}.end)
-          throw option_error("gradavg::libtorch: options.range with parameters of several dtypes (each dtype is "
+        if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
+          throw option_error("gradavg::libtorch: options.compute.range with parameters of several dtypes (each dtype is "
                              "averaged in a call of its own); pass the whole range");
-        if (!opts.per_variable.empty() && opts.per_variable.size() != seen.parameters)
-          throw option_error("gradavg: options.per_variable holds " + std::to_string(opts.per_variable.size()) +
+        const std::size_t entries = opts.compute.per_variable.size();
+        if (entries != 0 && entries != seen.parameters)
+          throw option_error("gradavg: options.compute.per_variable holds " + std::to_string(entries) +
                              " entries but the replicas hold " + std::to_string(seen.parameters) +
                              " parameters; pass one per parameter or none");
       }
@@ -332,11 +334,12 @@ struct replica_call {
       for (const std::size_t i : groups[g]) {
         group_outputs.push_back(outputs[i]);
         if (squares) group_squares.push_back(result.squares[i]);
-        if (!opts.per_variable.empty()) group_statistics.push_back(opts.per_variable[i]);
+        if (!opts.compute.per_variable.empty()) group_statistics.push_back(opts.compute.per_variable[i]);
       }
       const summary s = average(group_tg, group_outputs, squares ? &group_squares : nullptr, nullptr,
                                 std::span<variable_statistics>(group_statistics));
-      for (std::size_t j = 0; j < group_statistics.size(); ++j) opts.per_variable[groups[g][j]] = group_statistics[j];
+      for (std::size_t j = 0; j < group_statistics.size(); ++j)
+        opts.compute.per_variable[groups[g][j]] = group_statistics[j];
       if (g == 0)
         result.report = s;
       else
@@ -362,19 +365,19 @@ struct replica_call {
   }
 };
 
-/// The replicas' parameters as towers of (gradient, name) entries, averaged by
-/// average(towers, means, squares, prior, per_variable) in place into replica 0's gradients
-/// (squares: null, or new tensors for options.include_square, module_report::squares), then copied
-/// to the other replicas on opts' executor (none with mean_target::first_replica); parameters of
-/// several dtypes (the same on every process: agree leaves presence unknown otherwise) in one call
-/// per dtype, into outputs of their own, copied into every replica once every call has succeeded
-/// (an error in any call leaves every replica as it was). prior: what a step before the averaging
-/// threw (a null replica, an allocation), for the averaging call to rethrow, after agreeing on it
-/// with the other processes where there are any. agree(presence&, mopts): makes the replicas'
-/// presence that of every replica of every process (a no-op in one process), or unknown where the
-/// processes' parameter counts or dtypes differ; called on every call, known or not. done: null,
-/// or the parameters (bits as presence's) averaged already (data_parallel's buckets), read as
-/// absent on every replica and left out of module_report::skipped. known: null, or the replicas'
+/// The replicas' parameters as towers of (gradient, name) entries, averaged by average(towers,
+/// means, squares, prior, per_variable) in place into replica 0's gradients (squares: null, or new
+/// tensors for module_options::include_square, module_report::squares), then copied to the other
+/// replicas on opts' executor (none with mean_target::first_replica); parameters of several dtypes
+/// (the same on every process: agree leaves presence unknown otherwise) in one call per dtype, into
+/// outputs of their own, copied into every replica once every call has succeeded (an error in any
+/// call leaves every replica as it was). prior: what a step before the averaging threw (a null
+/// replica, an allocation), for the averaging call to rethrow, after agreeing on it with the other
+/// processes where there are any. agree(presence&, mopts): makes the replicas' presence that of
+/// every replica of every process (a no-op in one process), or unknown where the processes'
+/// parameter counts or dtypes differ; called on every call, known or not. done: null, or the
+/// parameters (bits as presence's) averaged already (data_parallel's buckets), read as absent on
+/// every replica and left out of module_report::skipped. known: null, or the replicas'
 /// named_parameters() kept from an earlier call (data_parallel's, whose replicas do not change),
 /// read instead of asking every replica again.
 template <class Agree, class Average>
@@ -386,11 +389,11 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
   call.read(replicas, done, known);
   agree(call.seen, mopts);
   if (mopts.absent_as_zeros) call.zero_fill();
-  if (opts.include_square) call.make_squares();
-  std::vector<at::Tensor>* squares = opts.include_square ? &call.result.squares : nullptr;
+  if (mopts.include_square) call.make_squares();
+  std::vector<at::Tensor>* squares = mopts.include_square ? &call.result.squares : nullptr;
   const auto groups = call.groups_by_dtype(opts);
   if (groups.size() <= 1)
-    call.result.report = average(call.tg, call.means, squares, call.prior, opts.per_variable);
+    call.result.report = average(call.tg, call.means, squares, call.prior, opts.compute.per_variable);
   else
     call.average_by_dtype(groups, opts, squares, average);
   call.deliver(opts, mopts, done, groups.size() > 1);

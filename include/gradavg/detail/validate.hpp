@@ -36,17 +36,17 @@ struct validated {
 inline layout_writer layout_slots(const options& opts, check_scratch& scratch, std::size_t slots,
                                   std::size_t tower_count, bool with_squares) {
   layout_writer layout;
-  if (opts.layout != nullptr) {
-    auto& kept = layout_cache_access::layout(*opts.layout);
-    bool& proved = layout_cache_access::proved(*opts.layout);
-    layout.same = proved && kept.size() == slots && layout_cache_access::towers(*opts.layout) == tower_count &&
-                  layout_cache_access::squares(*opts.layout) == with_squares;
+  if (opts.check.layout != nullptr) {
+    auto& kept = layout_cache_access::layout(*opts.check.layout);
+    bool& proved = layout_cache_access::proved(*opts.check.layout);
+    layout.same = proved && kept.size() == slots && layout_cache_access::towers(*opts.check.layout) == tower_count &&
+                  layout_cache_access::squares(*opts.check.layout) == with_squares;
     proved = false;  // until this call's layout passes
     kept.resize(slots);
     layout.slots = kept.data();
   } else if (slots <= stack_ranges) {
     layout.slots = scratch.layout.data();
-  } else if (opts.aliasing == alias_check::all) {
+  } else if (opts.check.aliasing == alias_check::all) {
     scratch.heap_layout.reset(new byte_range[slots]);
     layout.slots = scratch.heap_layout.get();
   }
@@ -90,7 +90,7 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
     const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
     const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
     auto& own_overlap = walk.own_overlap;
-    const bool check_own = opts.aliasing == alias_check::same_variable && g0.present && !own_overlap;
+    const bool check_own = opts.check.aliasing == alias_check::same_variable && g0.present && !own_overlap;
     auto check_own_gradient = [&](const byte_range& g, std::size_t k) {
       if (!check_own || own_overlap) return;
       if (m_bytes.overlaps(g) && !(k == 0 && m_bytes == g))
@@ -140,8 +140,8 @@ void prove_disjoint(const TG& tg, const options& opts, check_scratch& scratch, c
   // Room for the ranges and as many again for the radix sort, except on the stack.
   tagged_range* tagged = scratch.tagged.data();
   tagged_range* sort_scratch = nullptr;
-  if (opts.layout != nullptr) {
-    auto& kept = layout_cache_access::sorted(*opts.layout);
+  if (opts.check.layout != nullptr) {
+    auto& kept = layout_cache_access::sorted(*opts.check.layout);
     kept.resize(2 * slots);
     tagged = kept.data();
   } else if (slots > stack_ranges) {
@@ -166,14 +166,14 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
 
-  bool outputs_counted = std::ranges::size(means) == variable_count && (with_squares || !opts.include_square);
+  bool outputs_counted = std::ranges::size(means) == variable_count;
   if constexpr (with_squares) outputs_counted = outputs_counted && std::ranges::size(*squares) == variable_count;
   if (!outputs_counted) {
     validate_towers(tg);
-    validate_all_outputs(tg, means, squares, variable_count, opts);
+    validate_all_outputs(tg, means, squares, variable_count);
   }
 
-  const bool full = opts.aliasing == alias_check::all;
+  const bool full = opts.check.aliasing == alias_check::all;
   layout_writer layout =
       layout_slots(opts, scratch, variable_count * (tower_count + (with_squares ? 2 : 1)), tower_count, with_squares);
   variable_walk walk;
@@ -182,16 +182,16 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     check_variable<S, O>(tg, means, squares, opts, i, layout, walk);
 
   if (walk.output_problem) {
-    validate_all_outputs(tg, means, squares, variable_count, opts);
+    validate_all_outputs(tg, means, squares, variable_count);
     throw output_error("gradavg: an output changed while being read");
   }
   if (walk.own_overlap) throw_overlap(tg, walk.own_overlap->first, walk.own_overlap->second);
   if (full && !layout.same) prove_disjoint(tg, opts, scratch, layout, variable_count, with_squares);
-  if (opts.layout != nullptr) {
+  if (opts.check.layout != nullptr) {
     // Remembered as proved only for the full check: a cache hit skips it.
-    layout_cache_access::towers(*opts.layout) = tower_count;
-    layout_cache_access::squares(*opts.layout) = with_squares;
-    layout_cache_access::proved(*opts.layout) = full;
+    layout_cache_access::towers(*opts.check.layout) = tower_count;
+    layout_cache_access::squares(*opts.check.layout) = with_squares;
+    layout_cache_access::proved(*opts.check.layout) = full;
   }
   walk.result.layout = layout.slots;
   return walk.result;
