@@ -125,49 +125,27 @@ auto average_allocating(MPI_Comm comm, const TG& tower_grads, bool with_squares,
   using R = typename tensor_traits<G>::result_type;
   using Var = gradavg::detail::variable_t<TG>;
   averaged_gradients<R, Var> result;
-  std::vector<R*> means, squares;
+  gradavg::detail::allocated_outputs<R> outputs;
   std::exception_ptr prior;
   try {
     const std::size_t towers = std::ranges::size(tower_grads);
     const std::size_t variable_count = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tower_grads, 0));
-    if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
-      throw option_error(
-          "gradavg: options.compute.range is for average_gradients_into; average_gradients returns whole variables");
+    gradavg::detail::require_whole_range(opts.local());
     element_type element = element_type::float32;
     if constexpr (dynamic_tensor<G>)
-      element = gradavg::detail::validate_elements(tower_grads, gradavg::detail::validate_tower_counts(tower_grads), static_cast<std::nullptr_t*>(nullptr),
+      element = gradavg::detail::validate_elements(tower_grads, gradavg::detail::validate_tower_counts(tower_grads),
+                                                   static_cast<std::nullptr_t*>(nullptr),
                                                    static_cast<std::nullptr_t*>(nullptr))
                     .gradients;
-    auto make = [&](const shape& dims) {
-      if constexpr (dynamic_tensor<G>)
-        return tensor_traits<G>::make(dims, element);
-      else
-        return tensor_traits<G>::make(dims);
-    };
-    means.assign(variable_count, nullptr);
-    squares.assign(variable_count, nullptr);
-    result.gradients.reserve(variable_count);
-    if (with_squares) result.squares.reserve(variable_count);
-    for (std::size_t i = 0; i < variable_count; ++i) {
-      const auto g0 = gradavg::detail::read_gradient(tower_grads, 0, i);
-      if (!g0.present) {
-        result.skipped.push_back({i, gradavg::detail::variable_copy(tower_grads, i)});
-        continue;
-      }
-      result.gradients.emplace_back(make(g0.dims), gradavg::detail::variable_copy(tower_grads, i));
-      means[i] = &result.gradients.back().first;
-      if (with_squares) {
-        result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
-        squares[i] = &result.squares.back().first;
-      }
-    }
+    outputs = gradavg::detail::allocate_results(tower_grads, variable_count, element, with_squares, result);
   } catch (...) {
     prior = std::current_exception();
   }
   if (with_squares)
-    result.report = detail::average_into(comm, tower_grads, means, &squares, opts, prior);
+    result.report = detail::average_into(comm, tower_grads, outputs.means, &outputs.squares, opts, prior);
   else
-    result.report = detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
+    result.report =
+        detail::average_into(comm, tower_grads, outputs.means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
   return result;
 }
 

@@ -413,41 +413,70 @@ summary average_layout(const byte_range* layout, std::size_t variables, std::siz
   return make_summary(averaged, skipped, towers, pass, opts);
 }
 
-/// The allocating API's pass with gradients read as S (results of the same element type),
-/// after validation; with_squares: the means of squares are returned too.
-template <class S, class TG, class R, class V>
-void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
-                             averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
-  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
+/// The allocating calls return whole variables: options.compute.range must be the default
+/// (option_error).
+inline void require_whole_range(const options& opts) {
   if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
     throw option_error(
         "gradavg: options.compute.range is for average_gradients_into; average_gradients returns whole variables");
-  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
-  using G = gradient_tensor_t<TG>;  // its tensor_traits make the results (of type R)
+}
+
+/// Each variable's new outputs (null where it is skipped).
+template <class R>
+struct allocated_outputs {
+  std::vector<R*> means, squares;  // squares: empty without them
+};
+
+/// The allocating calls' results, made before anything is averaged (one process and across
+/// ranks): for each variable present on tower 0 a mean, and with_squares a mean of squares, of
+/// its shape and of element type `element` (tensor_traits<G>::make), paired with tower 0's
+/// variable; the others listed in result.skipped.
+template <class TG, class R, class V>
+allocated_outputs<R> allocate_results(const TG& tower_grads, std::size_t variable_count, element_type element,
+                                      bool with_squares, averaged_gradients<R, V>& result) {
+  using G = gradient_tensor_t<TG>;
   auto make = [&](const shape& dims) {
     if constexpr (dynamic_tensor<G>)
       return tensor_traits<G>::make(dims, element);
     else
       return tensor_traits<G>::make(dims);
   };
+  std::vector<std::size_t> slot_of(variable_count, 0);  // position in result.gradients and .squares
+  std::vector<bool> present(variable_count, false);
   for (std::size_t i = 0; i < variable_count; ++i) {
     const auto g0 = read_gradient(tower_grads, 0, i);
     if (!g0.present) {
       result.skipped.push_back({i, variable_copy(tower_grads, i)});
       continue;
     }
+    present[i] = true;
     slot_of[i] = result.gradients.size();
     result.gradients.emplace_back(make(g0.dims), variable_copy(tower_grads, i));
     if (with_squares) result.squares.emplace_back(make(g0.dims), result.gradients.back().second);
   }
+  allocated_outputs<R> outputs;  // pointers taken once the vectors hold every result
+  outputs.means.assign(variable_count, nullptr);
+  if (with_squares) outputs.squares.assign(variable_count, nullptr);
+  for (std::size_t i = 0; i < variable_count; ++i) {
+    if (!present[i]) continue;
+    outputs.means[i] = &result.gradients[slot_of[i]].first;
+    if (with_squares) outputs.squares[i] = &result.squares[slot_of[i]].first;
+  }
+  return outputs;
+}
 
+/// The allocating API's pass with gradients read as S (results of the same element type),
+/// after validation; with_squares: the means of squares are returned too.
+template <class S, class TG, class R, class V>
+void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
+                             averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
+  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
+  require_whole_range(opts);
+  const allocated_outputs<R> outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
   const pass_result pass = with_accumulator<S>(opts, [&]<class Acc>() {
     return average_all_entries<Acc, S>(
-        tower_grads, variable_count,
-        [&](std::size_t i) { return typed_mutable_data<S>(result.gradients[slot_of[i]].first); },
-        [&](std::size_t i) -> S* {
-          return with_squares ? typed_mutable_data<S>(result.squares[slot_of[i]].first) : nullptr;
-        },
+        tower_grads, variable_count, [&](std::size_t i) { return typed_mutable_data<S>(*outputs.means[i]); },
+        [&](std::size_t i) -> S* { return with_squares ? typed_mutable_data<S>(*outputs.squares[i]) : nullptr; },
         with_squares, opts);
   });
   result.report = make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
