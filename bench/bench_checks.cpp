@@ -9,9 +9,7 @@
 //                   towers unrolled), no checks: the floor
 //     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
 //                   contiguity compared with the proof of the first call, nothing else checked
-//     cached        gradavg, default checks (alias_check::all), options.check.layout reused: the
-//                   layout proved by the previous call is compared range by range
-//     uncached      gradavg, default checks, no layout_cache: sort and sweep every call
+//     uncached      gradavg, default checks (alias_check::all), no plan: sort and sweep every call
 //     same_variable gradavg, the partial check (no sort)
 //     none          gradavg, no overlap check
 //   Every contender's results are checked against the bare loop's (bitwise for the means of T
@@ -19,6 +17,8 @@
 // checks/<model>/T:<T>   the checks alone on a model's layout (BERT-base: 199 variables),
 //   through gradavg::detail::validate_into on buffers that are allocated but never touched:
 //   the averaging of the same call moves (T+2) * params * 4 bytes (4.4 GB for BERT-base at T=8).
+//   Modes: the full check; the full check proving again into a plan's proof of the same layout
+//   (the ranges compared one by one, the sort skipped); no overlap check.
 #include <benchmark/benchmark.h>
 
 #include <gradavg/gradavg.hpp>
@@ -36,14 +36,6 @@
 
 #include "common.hpp"
 #include "model_shapes.hpp"
-
-// Also builds against a gradavg without layout_cache (to compare with an earlier version): then
-// "uncached" is that version's default check and the checks/ benchmarks are left out.
-#if __has_include(<gradavg/layout_cache.hpp>)
-#define GRADAVG_BENCH_HAVE_LAYOUT_CACHE 1
-#else
-#define GRADAVG_BENCH_HAVE_LAYOUT_CACHE 0
-#endif
 
 namespace {
 
@@ -110,9 +102,6 @@ void BM_small(benchmark::State& state) {
   const auto V = static_cast<std::size_t>(state.range(0)), n = static_cast<std::size_t>(state.range(1));
   constexpr std::size_t T = 4;
   small_model s(V, n, T);
-#if GRADAVG_BENCH_HAVE_LAYOUT_CACHE
-  gradavg::layout_cache cache;
-#endif
   struct contender {
     std::string name;
     std::function<void()> call;
@@ -126,11 +115,6 @@ void BM_small(benchmark::State& state) {
 #if __has_include(<gradavg/plan.hpp>)
   gradavg::plan plan;
   cs.push_back({"plan", [&] { gradavg::average_gradients_into(plan, s.tg, s.mean_spans, s.square_spans); }, {}});
-#endif
-#if GRADAVG_BENCH_HAVE_LAYOUT_CACHE
-  cs.push_back({"cached", [&] {
-                  gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans, {.check = {.layout = &cache}});
-                }, {}});
 #endif
   cs.push_back({"uncached", [&] { gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans); }, {}});
   cs.push_back({"same_variable", [&] {
@@ -179,7 +163,6 @@ void BM_small(benchmark::State& state) {
 BENCHMARK(BM_small)->Name("small")->ArgNames({"V", "n"})->Args({1000, 64})->Args({100, 64})->Args({100, 1024})
     ->Iterations(201)->Unit(benchmark::kMillisecond);
 
-#if GRADAVG_BENCH_HAVE_LAYOUT_CACHE
 void BM_checks(benchmark::State& state) {
   const auto T = static_cast<std::size_t>(state.range(0));
   const gradavg_bench::model_shapes m = gradavg_bench::bert_base_shapes();
@@ -196,20 +179,19 @@ void BM_checks(benchmark::State& state) {
       else
         (k == T ? means : squares).emplace_back(storage.back().get(), size);
     }
-  gradavg::layout_cache cache;
+  gradavg::shared_detail::layout_proof proof;
   const auto mode = static_cast<int>(state.range(1));
   gradavg::options opts;
-  if (mode == 1) opts.check.layout = &cache;
   if (mode == 2) opts.check.aliasing = gradavg::alias_check::none;
   for (auto _ : state) {
     gradavg::detail::check_scratch scratch;
-    benchmark::DoNotOptimize(gradavg::detail::validate_into(tg, means, &squares, opts, scratch));
+    benchmark::DoNotOptimize(
+        gradavg::detail::validate_into(tg, means, &squares, opts, scratch, mode == 1 ? &proof : nullptr));
   }
-  state.SetLabel(mode == 0 ? "all, no cache" : mode == 1 ? "all, layout_cache" : "none");
+  state.SetLabel(mode == 0 ? "all" : mode == 1 ? "all, proving again into a plan's proof" : "none");
 }
 BENCHMARK(BM_checks)->Name("checks/bert_base")->ArgNames({"T", "mode"})
     ->ArgsProduct({{8}, {0, 1, 2}})->Unit(benchmark::kMicrosecond);
-#endif
 
 }  // namespace
 

@@ -1,5 +1,5 @@
 // Overlap checks of average_gradients_into: the default full check against a brute-force model
-// over random layouts, a reused layout_cache (and a stale one), variables formatted only for
+// over random layouts, a reused plan (and a stale one), variables formatted only for
 // messages, and no allocation on the hot path.
 #include <gradavg/gradavg.hpp>
 
@@ -183,10 +183,9 @@ TEST_CASE("an in-place means output may not overlap the same variable's gradient
   CHECK(out == std::vector<float>(4, 1.0f));
 }
 
-TEST_CASE("the full check agrees with a brute-force model on random layouts, with and without a layout_cache or a plan") {
+TEST_CASE("the full check agrees with a brute-force model on random layouts, with and without a plan") {
   std::mt19937 gen(20261130u);
   constexpr std::size_t arena_size = 48;
-  gradavg::layout_cache cache;
   gradavg::plan plan;
   std::size_t forbidden_count = 0, cache_flips = 0;
   bool previous_forbidden = false;
@@ -197,9 +196,6 @@ TEST_CASE("the full check agrees with a brute-force model on random layouts, wit
     forbidden_count += want ? 1 : 0;
     INFO("round " << round);
     CHECK(rejected(l, arena, {}) == want);
-    // The same layout twice through one cache: the second call may reuse the first's proof.
-    CHECK(rejected(l, arena, {.check = {.layout = &cache}}) == want);
-    CHECK(rejected(l, arena, {.check = {.layout = &cache}}) == want);
     // The same through one plan: proved by the first call where the layout is allowed, kept by
     // the second; every new layout is proved again.
     CHECK(rejected(l, arena, {}, &plan) == want);
@@ -208,33 +204,34 @@ TEST_CASE("the full check agrees with a brute-force model on random layouts, wit
     cache_flips += want != previous_forbidden ? 1 : 0;
     previous_forbidden = want;
   }
-  // Both verdicts are common, and the cache sees valid layouts followed by invalid ones.
+  // Both verdicts are common, and the plan sees valid layouts followed by invalid ones.
   CHECK(forbidden_count > 300);
   CHECK(forbidden_count < 2700);
   CHECK(cache_flips > 300);
 }
 
-TEST_CASE("a layout_cache detects a layout changed in one pointer") {
+TEST_CASE("a plan detects a layout changed in one pointer") {
   std::vector<float> a0(8, 1.0f), a1(8, 3.0f), b0(8, 5.0f), b1(8, 7.0f), ma(8), mb(8);
   span_towers tg{{{std::span<const float>(a0), 0}, {std::span<const float>(b0), 1}},
                  {{std::span<const float>(a1), 0}, {std::span<const float>(b1), 1}}};
   std::vector<std::span<float>> means{std::span<float>(ma), std::span<float>(mb)};
-  gradavg::layout_cache cache;
-  for (int call = 0; call < 3; ++call) gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}});
+  gradavg::plan plan;
+  for (int call = 0; call < 3; ++call) gradavg::average_gradients_into(plan, tg, means);
+  CHECK(plan.proofs() == 1);
   CHECK(ma == std::vector<float>(8, 2.0f));
   CHECK(mb == std::vector<float>(8, 6.0f));
 
   SECTION("an output moved onto another variable's gradient") {
     means[1] = std::span<float>(a1);
     const auto msg =
-        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}); });
+        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(plan, tg, means); });
     CHECK(contains(msg, "variable #1 '1': the means output overlaps the gradient on tower 1 of variable #0 '0'"));
     CHECK(a1 == std::vector<float>(8, 3.0f));
   }
   SECTION("a gradient moved onto an output, same size") {
     tg[1][1].first = std::span<const float>(ma);
     const auto msg =
-        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}); });
+        message_of<gradavg::aliasing_error>([&] { gradavg::average_gradients_into(plan, tg, means); });
     CHECK(contains(msg, "variable #0 '0': the means output overlaps the gradient on tower 1 of variable #1 '1'"));
   }
   SECTION("an output grown by one element into the next buffer") {
@@ -243,14 +240,15 @@ TEST_CASE("a layout_cache detects a layout changed in one pointer") {
     tg[0][0].first = std::span<const float>(joint.data() + 8, 8);  // joint[8, 16)
     tg[1][0].first = std::span<const float>(joint.data() + 8, 8);
     means[0] = std::span<float>(joint.data(), 8);  // joint[0, 8): touching, allowed
-    gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}});
+    gradavg::average_gradients_into(plan, tg, means);
     means[0] = std::span<float>(joint.data() + 1, 8);  // joint[1, 9): overlaps
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(plan, tg, means), gradavg::aliasing_error);
   }
   SECTION("a failed call forgets the layout") {
     means[1] = std::span<float>(a1);
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
-    CHECK_THROWS_AS(gradavg::average_gradients_into(tg, means, {.check = {.layout = &cache}}), gradavg::aliasing_error);
+    CHECK_THROWS_AS(gradavg::average_gradients_into(plan, tg, means), gradavg::aliasing_error);
+    CHECK_FALSE(plan.ready());
+    CHECK_THROWS_AS(gradavg::average_gradients_into(plan, tg, means), gradavg::aliasing_error);
   }
 }
 
@@ -259,11 +257,11 @@ TEST_CASE("a layout proved by a partial check is not reused by the full one") {
   const span_towers tg{{{std::span<const float>(g00), 0}, {std::span<const float>(g01), 1}},
                        {{std::span<const float>(g10), 0}, {std::span<const float>(g11), 1}}};
   std::vector<std::span<float>> swapped{std::span<float>(g01), std::span<float>(g00)};
-  gradavg::layout_cache cache;
-  gradavg::average_gradients_into(tg, swapped, {.check = {.aliasing = gradavg::alias_check::same_variable, .layout = &cache}});
+  gradavg::plan plan;
+  gradavg::average_gradients_into(plan, tg, swapped, {.check = {.aliasing = gradavg::alias_check::same_variable}});
   g00 = std::vector<float>(4, 1.0f);
   g01 = std::vector<float>(4, 2.0f);
-  CHECK_THROWS_AS(gradavg::average_gradients_into(tg, swapped, {.check = {.layout = &cache}}), gradavg::aliasing_error);
+  CHECK_THROWS_AS(gradavg::average_gradients_into(plan, tg, swapped), gradavg::aliasing_error);
 }
 
 TEST_CASE("variables are formatted only to build an error message") {
@@ -308,7 +306,7 @@ TEST_CASE("an operator<< that throws while a message is built leaves the positio
 }
 
 #if GRADAVG_TEST_COUNT_ALLOCATIONS
-TEST_CASE("average_gradients_into allocates nothing: small layouts on the stack, large ones in a layout_cache") {
+TEST_CASE("average_gradients_into allocates nothing: small layouts on the stack, large ones in a plan") {
   // 64 variables x 4 towers x (means + squares) = 384 ranges: more than the stack holds.
   constexpr std::size_t towers = 4;
   for (const std::size_t variables : {std::size_t{8}, std::size_t{64}}) {
@@ -323,13 +321,17 @@ TEST_CASE("average_gradients_into allocates nothing: small layouts on the stack,
       means.emplace_back(m[i]);
       squares.emplace_back(q[i]);
     }
-    gradavg::layout_cache cache;
-    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});  // sizes the cache
+    gradavg::plan plan;
+    gradavg::average_gradients_into(plan, tg, means, squares);  // sizes the plan
     INFO(variables << " variables");
     allocations = 0;
-    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});
+    gradavg::average_gradients_into(plan, tg, means, squares);
     means[0] = std::span<float>(m[0]).first(16);  // same layout, new span objects
-    gradavg::average_gradients_into(tg, means, squares, {.check = {.layout = &cache}});
+    gradavg::average_gradients_into(plan, tg, means, squares);
+    std::swap(means[0], means[1]);  // a new layout: every check again, in the plan's room
+    gradavg::average_gradients_into(plan, tg, means, squares);
+    CHECK(plan.proofs() == 2);
+    std::swap(means[0], means[1]);
     CHECK(allocations == 0);
     allocations = 0;
     gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = gradavg::alias_check::none}});

@@ -274,7 +274,7 @@ TEST_CASE("the vocabulary is one set of types for every level, the code one per 
   CHECK_FALSE(in_level_namespace(typeid(gradavg::options)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::summary)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::plan)));
-  CHECK_FALSE(in_level_namespace(typeid(gradavg::layout_cache)));
+  CHECK_FALSE(in_level_namespace(typeid(gradavg::compute_options)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::shape)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::element_type)));
   CHECK_FALSE(in_level_namespace(typeid(gradavg::simd_level)));

@@ -308,7 +308,7 @@ TEST_CASE("a task that throws reaches the caller after every started task has re
 
 TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller, whichever thread ran it") {
   // 100 variables on 4 towers: 500 buffers, more than the checks keep on the stack. With a partial
-  // overlap check (none here) and no layout_cache the checks keep no layout, so the chunks read
+  // overlap check (none here) and no plan the checks keep no layout, so the chunks read
   // every gradient's data() again, on whichever thread runs them.
   const std::size_t towers = 4, variables = 100;
   const std::size_t n = 4000;  // means only: 20 bytes per element, 8 MB in all, worth 7 chunks
@@ -350,18 +350,18 @@ TEST_CASE("an exception from a tensor adapter inside a chunk reaches the caller,
       [&] { gradavg::average_gradients_into(caller_only, means, {.run = {.threads = 4}, .check = {.aliasing = unchecked}}); });
   CHECK(message == "tensor storage unavailable");
 
-  // The full check keeps the layout it read (on the stack, on the heap or in a layout_cache), and
-  // the chunks use those pointers: data() is called by the checks alone, on the calling thread.
+  // The full check keeps the layout it read (on the stack, on the heap or in a plan), and the
+  // chunks use those pointers: data() is called by the checks alone, on the calling thread.
   std::vector<std::vector<float>> checked(variables, std::vector<float>(n));
   gradavg::average_gradients_into(caller_only, checked, {.run = {.threads = 4}});
   CHECK(bitwise_equal(checked, serial));
 
-  // With a layout_cache the chunks use the pointers the checks read: data() is called by the
-  // checks alone, on the calling thread, before anything is written.
-  gradavg::layout_cache cache;
-  std::vector<std::vector<float>> cached(variables, std::vector<float>(n));
-  gradavg::average_gradients_into(caller_only, cached, {.run = {.threads = 4}, .check = {.layout = &cache}});
-  CHECK(bitwise_equal(cached, serial));
+  // With a plan the chunks use the pointers the checks read: data() is called by the checks
+  // alone, on the calling thread, before anything is written.
+  gradavg::plan plan;
+  std::vector<std::vector<float>> planned(variables, std::vector<float>(n));
+  gradavg::average_gradients_into(plan, caller_only, planned, {.run = {.threads = 4}});
+  CHECK(bitwise_equal(planned, serial));
 }
 
 TEST_CASE("an executor that fails, or returns before running every task, is reported") {

@@ -108,9 +108,9 @@ struct option_set {
   gradavg::options opts;
 };
 
-std::vector<option_set> option_sets(gradavg::layout_cache& cache) {
+std::vector<option_set> option_sets() {
   static const std::vector<double> weights{1, 2, 3};
-  std::vector<option_set> sets(6);
+  std::vector<option_set> sets(5);
   sets[0].name = "default options";
   sets[1].name = "weights, scale, statistics, non-finite reported";
   sets[1].opts.compute.weights = weights;
@@ -121,12 +121,10 @@ std::vector<option_set> option_sets(gradavg::layout_cache& cache) {
   sets[2].opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
   sets[2].opts.compute.accumulate = gradavg::accumulation::double_precision;
   sets[2].opts.run.stores = gradavg::store_policy::streaming;
-  sets[3].name = "a layout_cache";
-  sets[3].opts.check.layout = &cache;
-  sets[4].name = "overlaps checked within each variable";
-  sets[4].opts.check.aliasing = gradavg::alias_check::same_variable;
-  sets[5].name = "no overlap check";
-  sets[5].opts.check.aliasing = gradavg::alias_check::none;
+  sets[3].name = "overlaps checked within each variable";
+  sets[3].opts.check.aliasing = gradavg::alias_check::same_variable;
+  sets[4].name = "no overlap check";
+  sets[4].opts.check.aliasing = gradavg::alias_check::none;
   return sets;
 }
 
@@ -144,8 +142,7 @@ void call_every_api(const TG& tg, bool skipped, const std::string& what) {
   means[last] = m1;
   squares[last] = q1;
 
-  gradavg::layout_cache cache;
-  for (option_set& set : option_sets(cache)) {
+  for (option_set& set : option_sets()) {
     const std::string context = what + (skipped ? ", a skipped variable, " : ", none skipped, ") + set.name;
     std::vector<gradavg::variable_statistics> per_variable(variables);
     if (set.opts.compute.statistics) set.opts.compute.per_variable = per_variable;
@@ -156,13 +153,17 @@ void call_every_api(const TG& tg, bool skipped, const std::string& what) {
     const gradavg::summary s2 = gradavg::average_gradients_into(tg, means, squares, set.opts);
     check_x87_after("average_gradients_into(means, squares): " + context);
     CHECK(s2.averaged == 2);
+    gradavg::plan plan;  // the first call proves, the second runs on the proof
+    for (int call = 0; call < 2; ++call) {
+      CHECK(gradavg::average_gradients_into(plan, tg, means, squares, set.opts).averaged == 2);
+      check_x87_after("average_gradients_into(plan, means, squares), call " + std::to_string(call) + ": " + context);
+    }
     if (set.opts.compute.statistics) {
       CHECK(s2.global_norm() >= 0);
       check_x87_after("summary::global_norm(): " + context);
     }
 
-    gradavg::options allocating = set.opts;
-    allocating.check.layout = nullptr;
+    const gradavg::options& allocating = set.opts;
     const auto r1 = gradavg::average_gradients(tg, allocating);
     check_x87_after("average_gradients: " + context);
     CHECK(r1.gradients.size() == 2);

@@ -55,12 +55,12 @@ concept tower_gradients =
 /// Aliasing: means[i] may be tower 0's gradient i itself (same data, same shape): averaging in
 /// place. No other overlap between an output and any gradient or other output is allowed;
 /// options.check.aliasing says how much of that is checked (aliasing_error): by default everything,
-/// O(N log N) in the N = V*(T+2) buffers, O(N) when options.check.layout proved the same layout
-/// before.
+/// O(N log N) in the N = V*(T+2) buffers (with a plan, below, nothing while the buffers are the
+/// proved ones).
 ///
 /// Allocates nothing, except the scratch of the default overlap check when more than 256
-/// buffers are passed without options.layout (and a layout_cache's own memory the first time it
-/// holds a layout that large). Throws a gradavg::error before writing anything.
+/// buffers are passed without a plan (and a plan's own memory the first time it holds a layout
+/// that large). Throws a gradavg::error before writing anything.
 template <tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(const TG& tower_grads, Means&& means, const options& opts = {}) {
@@ -78,9 +78,9 @@ summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& s
 /// As above, keeping in p what the checks proved (plan.hpp): a later call with p over the same
 /// buffers compares each one's presence, first element, element count and contiguity with the proof
 /// instead of checking variables, shapes and overlaps again, and the kernel reads the pointers from
-/// p. Over other buffers, every check runs and p keeps the new proof. options.check.layout must be
-/// null (option_error). Allocates nothing once p holds a proof of the same size. (P is plan: a
-/// template parameter so that calls without a plan never try this overload.)
+/// p. Over other buffers, every check runs and p keeps the new proof. Allocates nothing once p
+/// holds a proof of the same size. (P is plan: a template parameter so that calls without a plan
+/// never try this overload.)
 template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, const options& opts = {}) {

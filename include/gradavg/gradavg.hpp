@@ -6,7 +6,6 @@
 #include "errors.hpp"    // gradavg::error and its subclasses
 #include "options.hpp"   // gradavg::options
 #include "statistics.hpp"  // summary, variable_statistics, noise_estimate
-#include "layout_cache.hpp"  // layout_cache: reuse of the overlap check across calls
 #include "plan.hpp"      // plan: one call's checks kept for the next steps
 #include "executor.hpp"  // threads: executor, thread_pool
 #include "simd.hpp"      // simd_level_in_use, force_simd_level: the kernel's instruction-set level

@@ -13,7 +13,6 @@
 namespace gradavg {
 
 class executor;
-class layout_cache;
 
 /// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
@@ -43,8 +42,8 @@ enum class alias_check : std::uint8_t {
   /// gradient 1): kept for callers who rule those out another way.
   same_variable,
   /// Every output against every gradient and every other output (the default): the byte ranges
-  /// of all N = V*(T+2) buffers sorted by address and swept, O(N log N); O(N) when
-  /// options.check.layout holds the same layout as the previous call.
+  /// of all N = V*(T+2) buffers sorted by address and swept, O(N log N) (a plan keeps the
+  /// proof for the calls over the same buffers).
   all,
   /// No check: the caller guarantees the aliasing rules of average_gradients_into.
   none,
@@ -129,15 +128,11 @@ struct run_options {
 };
 
 /// How average_gradients_into checks its outputs before writing (the allocating calls' outputs
-/// are new and overlap nothing).
+/// are new and overlap nothing). A plan (plan.hpp) keeps what the checks proved for the next
+/// calls over the same buffers.
 struct check_options {
   /// Overlap checks (alias_check).
   alias_check aliasing = alias_check::all;
-
-  /// Caller-owned scratch and memory of the last proved layout (layout_cache.hpp); not owned.
-  /// Null: the check of up to 256 buffers uses the stack, larger ones allocate their scratch for
-  /// the call. Must be null in a call with a plan (plan.hpp).
-  layout_cache* layout = nullptr;
 };
 
 /// The options of every averaging call, by concern. Designated initialisers name the groups in

@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "layout_cache.hpp"
+#include "detail/layout_proof.hpp"
 #include "options.hpp"
 #include "tensor.hpp"
 
@@ -66,8 +66,7 @@ class plan {
  private:
   friend struct shared_detail::plan_access;
 
-  layout_cache proof_;                  // the proved byte ranges in layout_cache's order, and the
-                                        // tower count and squares they were proved for
+  shared_detail::layout_proof proof_;  // the proved byte ranges, tower count and squares
   std::vector<unsigned char> present_;  // per variable: whether its gradients are present
   const void* signature_ = nullptr;
   std::size_t variables_ = 0;
@@ -85,11 +84,11 @@ namespace shared_detail {
 
 /// The library's access to a plan's members.
 struct plan_access {
-  static layout_cache& proof(plan& p) noexcept { return p.proof_; }
+  static layout_proof& proof(plan& p) noexcept { return p.proof_; }
   static std::vector<unsigned char>& present(plan& p) noexcept { return p.present_; }
   static const void*& signature(plan& p) noexcept { return p.signature_; }
-  static std::size_t towers(plan& p) noexcept { return shared_detail::layout_cache_access::towers(p.proof_); }
-  static bool squares(plan& p) noexcept { return shared_detail::layout_cache_access::squares(p.proof_); }
+  static std::size_t towers(plan& p) noexcept { return p.proof_.towers; }
+  static bool squares(plan& p) noexcept { return p.proof_.squares; }
   static std::size_t& variables(plan& p) noexcept { return p.variables_; }
   static std::size_t& averaged(plan& p) noexcept { return p.averaged_; }
   static std::size_t skipped(plan& p) noexcept { return p.variables_ - p.averaged_; }

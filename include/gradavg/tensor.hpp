@@ -35,8 +35,8 @@
 //     mutable_data()) of every output of a variable that is averaged; some more than once (for
 //     a message). variable_traits' same() and print() (entry.hpp) likewise.
 //   - The pass: every function but element() is called again, on any of the call's threads, when
-//     validation kept no layout (options.check.aliasing other than all, more than 256 buffers and no
-//     options.check.layout), and always by the allocating API (average_gradients). They must return
+//     validation kept no layout (options.check.aliasing other than all, or more than 256 buffers
+//     without a plan), and always by the allocating API (average_gradients). They must return
 //     what they returned during validation.
 //   - A call with a plan that holds its proof (plan.hpp) instead: present(), element(), data(),
 //     shape() and contiguous() of every gradient, and of every output of an averaged variable,

@@ -66,9 +66,9 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 /// noise()): the same bits for any thread count and from step to step for the same averaged values,
 /// within rounding of the one-shot call's sums (which add the same terms in another order); across
 /// processes the same bits on every rank. module_options::include_square, per_variable and range
-/// (results per element or per parameter over one pass of every parameter) and options.check.layout
-/// are option_error here: use average_module_gradients for them. weights, scale, accumulate,
-/// on_nonfinite (counted in the report), threads, pool and stores apply to every bucket.
+/// (results per element or per parameter over one pass of every parameter) are option_error here:
+/// use average_module_gradients for them. weights, scale, accumulate, on_nonfinite (counted in the
+/// report), threads, pool and stores apply to every bucket.
 ///
 /// Errors: validation runs per bucket, so an error in one bucket (gradients of other memory orders
 /// on two replicas, a missing gradient) leaves that bucket's gradients as they were, while buckets

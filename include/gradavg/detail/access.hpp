@@ -19,18 +19,18 @@
 #include <utility>
 
 #include "isa.hpp"
+#include "layout_proof.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
-#include "../layout_cache.hpp"
 #include "../tensor.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-// Shared by every level (layout_cache.hpp).
+// Shared by every level (layout_proof.hpp).
 using gradavg::shared_detail::byte_range;
-using gradavg::shared_detail::layout_cache_access;
+using gradavg::shared_detail::layout_proof;
 using gradavg::shared_detail::tagged_range;
 
 // ---- Access to tower_grads[k][i]. ----------------------------------------------------------

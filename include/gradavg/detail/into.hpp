@@ -32,10 +32,8 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t towers = std::ranges::size(tg);
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
-  options proving;         // with a plan: opts, the checks' layout kept in the plan
-  if (planned != nullptr) proving = proving_into(*planned, opts);
-  const validated v =
-      validate_into<TG, Means, Squares, S, O>(tg, means, squares, planned != nullptr ? proving : opts, scratch);
+  layout_proof* const proof = planned != nullptr ? proving_into(*planned) : nullptr;
+  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch, proof);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
   if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.check.aliasing);
   if (v.layout != nullptr)  // always with a plan
@@ -65,7 +63,7 @@ summary average_planned(plan& p, bool with_squares, const options& opts) {
     A::ready(p) = false;  // a failed call empties the plan
     throw;
   }
-  return average_layout<S, O>(layout_cache_access::layout(A::proof(p)).data(), A::variables(p), A::towers(p),
+  return average_layout<S, O>(A::proof(p).layout.data(), A::variables(p), A::towers(p),
                               with_squares, A::elements(p), A::averaged(p), A::skipped(p), opts);
 }
 
@@ -85,7 +83,6 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
                   "gradavg: the squares outputs must hold the same element type as the means outputs");
   }
   const void* const signature = &shared_detail::signature_of<TG, Means, Squares>;
-  if (p != nullptr) check_no_layout_with(*p, opts);
   if constexpr (static_tensor<G> && static_tensor<OT>) {
     using S = tensor_value_t<G>;
     using O = tensor_value_t<OT>;

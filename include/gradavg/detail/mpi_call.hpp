@@ -198,7 +198,6 @@ struct call : data_path<TG, Means, Squares, S, O> {
         if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-        if (planned != nullptr) gradavg::detail::check_no_layout_with(*planned, local);
         plan_state = plan_state_here(header);
         if (plan_state != 0) {
           gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
@@ -206,14 +205,13 @@ struct call : data_path<TG, Means, Squares, S, O> {
           prepare();
           return failure;
         }
-        gradavg::options proving;  // with a plan: local, the checks' layout kept in the plan
-        if (planned != nullptr) proving = gradavg::detail::proving_into(*planned, local);
+        gradavg::detail::layout_proof* const proof =
+            planned != nullptr ? gradavg::detail::proving_into(*planned) : nullptr;
         bool proved = true;
         gradavg::detail::validated v;
         try {
           gradavg::detail::check_scratch scratch;
-          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares,
-                                                                      planned != nullptr ? proving : local, scratch);
+          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
           proved = false;

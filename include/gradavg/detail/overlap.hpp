@@ -1,5 +1,5 @@
 // gradavg internals: the proof that no output overlaps another buffer — every buffer's byte range
-// in layout_cache's order, sorted by address (radix or std::sort) and swept once.
+// in layout_proof's order, sorted by address (radix or std::sort) and swept once.
 #pragma once
 
 #include <algorithm>
@@ -14,7 +14,7 @@
 #include "access.hpp"
 #include "messages.hpp"
 #include "../errors.hpp"
-#include "../layout_cache.hpp"
+#include "layout_proof.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
@@ -93,7 +93,7 @@ void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagge
   }
 }
 
-/// Where the single pass puts every buffer's bytes, in the order of layout_cache: for each
+/// Where the single pass puts every buffer's bytes, in the order of layout_proof: for each
 /// variable its gradient on every tower, its means, its squares (when passed). Empty ranges
 /// stand for absent gradients and for the outputs of skipped variables.
 struct layout_writer {
@@ -132,10 +132,10 @@ inline std::size_t tag_ranges(const byte_range* layout, std::size_t variable_cou
   return n;
 }
 
-/// Layouts of at most this many ranges are checked on the stack when no layout_cache is passed.
+/// Layouts of at most this many ranges are checked on the stack when no plan is passed.
 inline constexpr std::size_t stack_ranges = 256;
 
-/// Scratch memory of one call without a layout_cache: on the stack (left uninitialised, so it
+/// Scratch memory of one call without a plan: on the stack (left uninitialised, so it
 /// costs nothing to declare) unless the layout is larger than stack_ranges.
 struct check_scratch {
   std::array<byte_range, stack_ranges> layout;

@@ -25,21 +25,11 @@ constexpr int alias_strength(alias_check a) noexcept {
   return a == alias_check::all ? 2 : a == alias_check::same_variable ? 1 : 0;
 }
 
-/// A call with a plan may not also pass a layout_cache (option_error; the plan is emptied).
-inline void check_no_layout_with(plan& p, const options& opts) {
-  if (opts.check.layout == nullptr) return;
+/// Where validate_into keeps the checks' layout, tower count and squares in a call that proves
+/// into p. p is empty until keep_proof.
+inline layout_proof* proving_into(plan& p) {
   plan_access::ready(p) = false;
-  throw option_error("gradavg: options.check.layout and a plan were both given; a plan keeps its own proof");
-}
-
-/// The options for validate_into in a call that proves into p: opts, with p's layout_cache as
-/// options.layout (the checks' layout, tower count and squares are kept there). p is empty until
-/// keep_proof.
-inline options proving_into(plan& p, const options& opts) {
-  plan_access::ready(p) = false;
-  options checked = opts;
-  checked.check.layout = &plan_access::proof(p);
-  return checked;
+  return &plan_access::proof(p);
 }
 
 /// Whether output slot s holds exactly the bytes expected, writable as O.
@@ -79,7 +69,7 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
     if (std::ranges::size(at(tg, k)) != variables) return false;
 
   const std::size_t stride = towers + (with_squares ? 2 : 1);
-  const byte_range* slots = layout_cache_access::layout(A::proof(p)).data();
+  const byte_range* slots = A::proof(p).layout.data();
   const unsigned char* present = A::present(p).data();
   try {
     for (std::size_t i = 0; i < variables; ++i, slots += stride) {
@@ -109,8 +99,8 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
   return true;
 }
 
-/// Keeps in p what a call's full checks proved (options from proving_into): v, whose layout,
-/// tower count and squares validate_into left in p's layout_cache, and which variables are
+/// Keeps in p what a call's full checks proved (the proof from proving_into): v, whose layout,
+/// tower count and squares validate_into left in p's proof, and which variables are
 /// present. Called after every check has passed, before anything is written.
 template <class S, class O, class TG>
 void keep_proof(plan& p, const void* signature, const TG& tg, const validated& v, alias_check aliasing) {

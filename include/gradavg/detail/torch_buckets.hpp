@@ -22,15 +22,14 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// option_error for the options that span every parameter in one pass
-/// (module_options::include_square, options.compute.per_variable and range) and for
-/// options.check.layout: buckets are calls over parts of the parameters.
+/// (module_options::include_square, options.compute.per_variable and range): buckets are calls
+/// over parts of the parameters.
 inline void check_bucket_options(const options& opts, const module_options& mopts) {
   const char* what = nullptr;
   if (mopts.include_square) what = "module_options::include_square";
   else if (!opts.compute.per_variable.empty()) what = "options.compute.per_variable";
   else if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
     what = "options.compute.range";
-  else if (opts.check.layout != nullptr) what = "options.check.layout";
   if (what != nullptr)
     throw option_error(std::string("gradavg::libtorch::data_parallel: ") + what +
                        " is not available with buckets (it spans every parameter); use average_module_gradients");

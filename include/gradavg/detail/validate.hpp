@@ -13,7 +13,7 @@
 #include "isa.hpp"
 #include "messages.hpp"
 #include "overlap.hpp"
-#include "../layout_cache.hpp"
+#include "layout_proof.hpp"
 #include "../options.hpp"
 
 namespace gradavg {
@@ -29,21 +29,19 @@ struct validated {
   const byte_range* layout = nullptr;  // null: the kernel reads the entries again
 };
 
-/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable): the
-/// layout cache's (remembering whether the last proved layout is repeated), the stack's when it
+/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable): a
+/// plan's proof (remembering whether the last proved layout is repeated), the stack's when it
 /// fits, or, for the full overlap check only, a heap array (the one allocation, documented in
-/// options.hpp). slots stays null where the layout is not needed.
-inline layout_writer layout_slots(const options& opts, check_scratch& scratch, std::size_t slots,
+/// average.hpp). slots stays null where the layout is not needed.
+inline layout_writer layout_slots(const options& opts, layout_proof* proof, check_scratch& scratch, std::size_t slots,
                                   std::size_t tower_count, bool with_squares) {
   layout_writer layout;
-  if (opts.check.layout != nullptr) {
-    auto& kept = layout_cache_access::layout(*opts.check.layout);
-    bool& proved = layout_cache_access::proved(*opts.check.layout);
-    layout.same = proved && kept.size() == slots && layout_cache_access::towers(*opts.check.layout) == tower_count &&
-                  layout_cache_access::squares(*opts.check.layout) == with_squares;
-    proved = false;  // until this call's layout passes
-    kept.resize(slots);
-    layout.slots = kept.data();
+  if (proof != nullptr) {
+    layout.same = proof->proved && proof->layout.size() == slots && proof->towers == tower_count &&
+                  proof->squares == with_squares;
+    proof->proved = false;  // until this call's layout passes
+    proof->layout.resize(slots);
+    layout.slots = proof->layout.data();
   } else if (slots <= stack_ranges) {
     layout.slots = scratch.layout.data();
   } else if (opts.check.aliasing == alias_check::all) {
@@ -131,19 +129,18 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
 }
 
 /// alias_check::all on a layout not already proved: every range against every other (overlap.hpp),
-/// the sort's room from the layout cache, the stack or the heap. Throws overlap_error.
+/// the sort's room from the plan's proof, the stack or the heap. Throws overlap_error.
 template <class TG>
-void prove_disjoint(const TG& tg, const options& opts, check_scratch& scratch, const layout_writer& layout,
+void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, const layout_writer& layout,
                     std::size_t variable_count, bool with_squares) {
   const std::size_t tower_count = std::ranges::size(tg);
   const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
   // Room for the ranges and as many again for the radix sort, except on the stack.
   tagged_range* tagged = scratch.tagged.data();
   tagged_range* sort_scratch = nullptr;
-  if (opts.check.layout != nullptr) {
-    auto& kept = layout_cache_access::sorted(*opts.check.layout);
-    kept.resize(2 * slots);
-    tagged = kept.data();
+  if (proof != nullptr) {
+    proof->sorted.resize(2 * slots);
+    tagged = proof->sorted.data();
   } else if (slots > stack_ranges) {
     scratch.heap_tagged.reset(new tagged_range[2 * slots]);
     tagged = scratch.heap_tagged.get();
@@ -156,12 +153,14 @@ void prove_disjoint(const TG& tg, const options& opts, check_scratch& scratch, c
 /// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
 /// contiguity, the variable), in one pass over the variables. Errors keep their precedence:
 /// towers and gradients first (variable by variable), then outputs, then overlaps. `scratch`
-/// holds the layout when no cache is given and it fits (layout_slots).
+/// holds the layout when no proof is given and it fits (layout_slots); proof: a plan's, which
+/// keeps the layout (and proved, for the full check) when every check passes.
 /// S and O: the element types the gradients are read as and the outputs written as (the traits'
 /// value_type, or the run-time type validate_elements found).
 template <class TG, class Means, class Squares, class S = default_value_t<gradient_tensor_t<TG>>,
           class O = default_value_t<output_tensor_t<Means&>>>
-validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch) {
+validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch,
+                        layout_proof* proof = nullptr) {
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
@@ -174,8 +173,8 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   }
 
   const bool full = opts.check.aliasing == alias_check::all;
-  layout_writer layout =
-      layout_slots(opts, scratch, variable_count * (tower_count + (with_squares ? 2 : 1)), tower_count, with_squares);
+  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
+  layout_writer layout = layout_slots(opts, proof, scratch, slots, tower_count, with_squares);
   variable_walk walk;
   walk.result.variables = variable_count;
   for (std::size_t i = 0; i < variable_count; ++i)
@@ -186,12 +185,12 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     throw output_error("gradavg: an output changed while being read");
   }
   if (walk.own_overlap) throw_overlap(tg, walk.own_overlap->first, walk.own_overlap->second);
-  if (full && !layout.same) prove_disjoint(tg, opts, scratch, layout, variable_count, with_squares);
-  if (opts.check.layout != nullptr) {
-    // Remembered as proved only for the full check: a cache hit skips it.
-    layout_cache_access::towers(*opts.check.layout) = tower_count;
-    layout_cache_access::squares(*opts.check.layout) = with_squares;
-    layout_cache_access::proved(*opts.check.layout) = full;
+  if (full && !layout.same) prove_disjoint(tg, proof, scratch, layout, variable_count, with_squares);
+  if (proof != nullptr) {
+    // Remembered as proved only for the full check: a repeated layout skips it.
+    proof->towers = tower_count;
+    proof->squares = with_squares;
+    proof->proved = full;
   }
   walk.result.layout = layout.slots;
   return walk.result;
