@@ -14,7 +14,7 @@ namespace gradavg {
 
 class executor;
 
-/// options::threads left unset: the pool's concurrency when options::pool is given, else 1.
+/// options.run.threads left unset: the pool's concurrency when options.run.pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
 
 /// How a call stores its outputs (means, squares; across processes also the unpacked buckets).

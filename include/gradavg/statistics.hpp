@@ -49,15 +49,16 @@ struct noise_estimate {
   return e;
 }
 
-/// One variable's results (options::per_variable[i]). For a skipped variable, or a variable
-/// with no element in options::range, every member is left as it was; so are the sums when
-/// options::statistics is off (their defaults, NaN, say "not computed").
+/// One variable's results (options.compute.per_variable[i]). For a skipped variable, or a variable
+/// with no element in options.compute.range, every member is left as it was; so are the sums when
+/// options.compute.statistics is off (their defaults, NaN, say "not computed").
 struct variable_statistics {
   /// An input element of this variable (within the range) was NaN or +-Inf; written when
-  /// options::on_nonfinite is not ignore.
+  /// options.compute.on_nonfinite is not ignore.
   bool nonfinite = false;
-  /// sum over its elements of mean^2 (the squared L2 norm of its averaged gradient) and of the
-  /// mean of squares; written when options::statistics. Both after options::scale, in double.
+  /// sum over its elements of mean^2 (the squared L2 norm of its averaged gradient) and of the mean
+  /// of squares; written when options.compute.statistics. Both after options.compute.scale, in
+  /// double.
   double sum_mean_squared = std::numeric_limits<double>::quiet_NaN();
   double sum_mean_of_squares = std::numeric_limits<double>::quiet_NaN();
 };
@@ -70,13 +71,13 @@ struct summary {
   /// Variables with at least one NaN or +-Inf input element (0 when detection is off).
   std::size_t nonfinite_variables = 0;
 
-  /// options::statistics was set: the sums below were computed, and so can global_norm(),
+  /// options.compute.statistics was set: the sums below were computed, and so can global_norm(),
   /// clip_coefficient() and noise(), which throw statistics_error otherwise.
   bool statistics = false;
 
-  /// With options::statistics, over every averaged element (in options::range): the sum of
-  /// mean^2 and of the mean of squares, accumulated in double, bitwise the same for any thread
-  /// count. NaN or Inf when an input was. NaN when statistics are off.
+  /// With options.compute.statistics, over every averaged element (in options.compute.range): the
+  /// sum of mean^2 and of the mean of squares, accumulated in double, bitwise the same for any
+  /// thread count. NaN or Inf when an input was. NaN when statistics are off.
   double sum_mean_squared = std::numeric_limits<double>::quiet_NaN();
   double sum_mean_of_squares = std::numeric_limits<double>::quiet_NaN();
 
@@ -88,7 +89,7 @@ struct summary {
   /// Some input element was NaN or +-Inf: skip the step (and lower the loss scale).
   [[nodiscard]] bool nonfinite() const noexcept { return nonfinite_variables != 0; }
 
-  /// L2 norm of the averaged gradient over every averaged variable (in options::range).
+  /// L2 norm of the averaged gradient over every averaged variable (in options.compute.range).
   [[nodiscard]] double global_norm() const {
     require_statistics("global_norm()");
     return std::sqrt(sum_mean_squared);

@@ -27,7 +27,7 @@ inline constexpr std::size_t min_chunk_bytes = std::size_t{1} << 20;
 /// Most chunks one call splits into, whatever the thread count (run_chunks tracks each).
 inline constexpr std::size_t max_chunks = 256;
 
-/// The thread count that options ask for (see options::threads).
+/// The thread count that options ask for (see options.run.threads).
 inline std::size_t requested_threads(const options& opts) noexcept {
   if (opts.run.threads != default_threads && opts.run.threads != 0) return opts.run.threads;
   if (opts.run.pool != nullptr) return std::max<std::size_t>(1, opts.run.pool->concurrency());
@@ -35,7 +35,7 @@ inline std::size_t requested_threads(const options& opts) noexcept {
 }
 
 /// Whether a call that reads and writes `bytes` in all stores its outputs non-temporally
-/// (options::stores).
+/// (options.run.stores).
 inline bool streams(const options& opts, std::size_t bytes) noexcept {
   return opts.run.stores == store_policy::streaming ||
          (opts.run.stores == store_policy::automatic && bytes >= streaming_threshold_bytes);
