@@ -33,11 +33,11 @@
 // With streaming set, outputs are written with non-temporal stores where the target has them;
 // with prefetch set (large calls), whole steps prefetch each tower's data a little ahead.
 //
-// Levels (simd.hpp): packet_level.hpp, storage_level.hpp and kernel_level.hpp are compiled once
-// per level this translation unit has (detail/isa.hpp), each in its own namespace (detail::sse2,
-// avx2, avx512, avx512_bf16; detail::generic for a unit without run-time dispatch) and, on
-// x86-64, inside a region that enables the level's instructions for those functions alone;
-// reduce_range picks one per call.
+// Levels (simd.hpp): packet_level.hpp, storage_level.hpp, kernel_level.hpp and reduce_level.hpp
+// are compiled once per level this translation unit has (detail/isa.hpp), each in its own
+// namespace (detail::sse2, avx2, avx512, avx512_bf16; detail::generic for a unit without run-time
+// dispatch) and, on x86-64, inside a region that enables the level's instructions for those
+// functions alone; reduce_range (and reduce_variables) picks one per call.
 #pragma once
 
 #include <algorithm>
@@ -55,6 +55,7 @@
 #endif
 
 #include "../simd.hpp"
+#include "layout_proof.hpp"
 #include "isa.hpp"
 
 /// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
@@ -248,6 +249,7 @@ GRADAVG_END_ISA_NAMESPACE
 #include "packet_level.hpp"
 #include "storage_level.hpp"
 #include "kernel_level.hpp"
+#include "reduce_level.hpp"
 #undef GRADAVG_LEVEL_SSE2_
 #undef GRADAVG_LEVEL_NS_
 #endif
@@ -261,6 +263,7 @@ GRADAVG_TARGET_PUSH_(GRADAVG_AVX2_TARGET_)
 #include "packet_level.hpp"
 #include "storage_level.hpp"
 #include "kernel_level.hpp"
+#include "reduce_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 3
 GRADAVG_TARGET_POP_
 #endif
@@ -277,6 +280,7 @@ GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_TARGET_)
 #include "packet_level.hpp"
 #include "storage_level.hpp"
 #include "kernel_level.hpp"
+#include "reduce_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 4
 GRADAVG_TARGET_POP_
 #endif
@@ -296,6 +300,7 @@ GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_BF16_TARGET_)
 #include "packet_level.hpp"
 #include "storage_level.hpp"
 #include "kernel_level.hpp"
+#include "reduce_level.hpp"
 #if GRADAVG_UNIT_LEVEL_ < 5
 GRADAVG_TARGET_POP_
 #endif
@@ -310,6 +315,7 @@ GRADAVG_TARGET_POP_
 #include "packet_level.hpp"
 #include "storage_level.hpp"
 #include "kernel_level.hpp"
+#include "reduce_level.hpp"
 #undef GRADAVG_LEVEL_GENERIC_
 #undef GRADAVG_LEVEL_NS_
 #endif
@@ -388,6 +394,19 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
   GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
                     reduce_range<S, Acc, O>(tower_data, tower_count, begin, end, mean, square, streaming, prefetch,
                                             divisor, fused));
+}
+
+/// Whole variables [first, last) of table, plain pass, each as reduce_range over all its
+/// elements, with one dispatch for all of them: variable i's gradient on tower k is the range
+/// table[i * stride + k] (empty: the variable is skipped), its means output begins at
+/// table[i * stride + T] and, with_squares, its squares output at table[i * stride + T + 1].
+template <class S, class Acc, class O>
+void reduce_variables(const shared_detail::byte_range* table, std::size_t stride, std::size_t first, std::size_t last,
+                      std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor) {
+  if (first >= last) return;
+  GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
+                    reduce_variables<S, Acc, O>(table, stride, first, last, tower_count, with_squares, streaming,
+                                                prefetch, divisor));
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, with

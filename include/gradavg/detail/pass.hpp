@@ -245,6 +245,16 @@ class pass_run {
       segment_record& record = records_[s];  // written by the chunk that runs s only
       if (fused_) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
       while (i < variables_ && offset < seg_end) {
+        if (!fused_ && layout_ != nullptr && offset >= seg_begin) {
+          // The segment's whole variables from i on: one kernel call for all of them.
+          const std::size_t whole_first = i;
+          while (i < variables_ && offset + size_of(i) <= seg_end) offset += size_of(i++);
+          if (i != whole_first) {
+            reduce_variables<S, Acc, O>(layout_, source_.stride, whole_first, i, towers_, with_squares_, stream_,
+                                        prefetch_, divisor_);
+            continue;
+          }
+        }
         const std::size_t size = size_of(i);
         if (size == 0) {
           ++i;
