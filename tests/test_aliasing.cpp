@@ -333,10 +333,13 @@ TEST_CASE("average_gradients_into allocates nothing: small layouts on the stack,
     CHECK(plan.proofs() == 2);
     std::swap(means[0], means[1]);
     CHECK(allocations == 0);
-    allocations = 0;
-    gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = gradavg::alias_check::none}});
-    gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = gradavg::alias_check::same_variable}});
-    CHECK(allocations == 0);
+    // Without a plan, a table of more than 256 buffers is the call's one allocation, whatever
+    // the check.
+    for (const auto check : {gradavg::alias_check::none, gradavg::alias_check::same_variable}) {
+      allocations = 0;
+      gradavg::average_gradients_into(tg, means, squares, {.check = {.aliasing = check}});
+      CHECK(allocations == (variables == 8 ? 0u : 1u));
+    }
     allocations = 0;
     gradavg::average_gradients_into(tg, means, squares);
     CHECK(allocations == (variables == 8 ? 0u : 2u));  // the documented scratch of large layouts

@@ -58,9 +58,9 @@ concept tower_gradients =
 /// O(N log N) in the N = V*(T+2) buffers (with a plan, below, nothing while the buffers are the
 /// proved ones).
 ///
-/// Allocates nothing, except the scratch of the default overlap check when more than 256
-/// buffers are passed without a plan (and a plan's own memory the first time it holds a layout
-/// that large). Throws a gradavg::error before writing anything.
+/// Allocates nothing, except the call's table of buffers (gradients and outputs) when more than
+/// 256 are passed without a plan (and a plan's own memory the first time it holds a table that
+/// large). Throws a gradavg::error before writing anything.
 template <tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(const TG& tower_grads, Means&& means, const options& opts = {}) {

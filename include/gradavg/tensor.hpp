@@ -34,21 +34,20 @@
 //     data(), shape() and contiguous() of every present gradient, and the same (with
 //     mutable_data()) of every output of a variable that is averaged; some more than once (for
 //     a message). variable_traits' same() and print() (entry.hpp) likewise.
-//   - The pass: every function but element() is called again, on any of the call's threads, when
-//     validation kept no layout (options.check.aliasing other than all, or more than 256 buffers
-//     without a plan), and always by the allocating API (average_gradients). They must return
-//     what they returned during validation.
+//   - Across processes (gradavg::mpi), after validation and still on the calling thread:
+//     present(), data(), shape() and contiguous() of every gradient once more, for the ranks'
+//     agreement on presence and shapes.
 //   - A call with a plan that holds its proof (plan.hpp) instead: present(), element(), data(),
 //     shape() and contiguous() of every gradient, and of every output of an averaged variable,
 //     once, on the calling thread; variable_traits not at all.
-//   - make() (allocating API only) after validation, on the calling thread, before the pass.
-// Any of them may throw. An exception thrown during validation propagates with nothing
-// written; one that derives from gradavg::error and names no variable (variable_index() is
-// npos) is re-raised as the same type, naming the variable and the tower (e.g. an adapter's
-// "unsupported element type", or shape::from_dims's rank limit). Other exceptions reach the
-// caller unchanged, from whichever thread threw them (never std::terminate). An exception in
-// the pass (a function that succeeded during validation and then throws) leaves the outputs
-// partly written.
+//   - make() (allocating API only) after validation, on the calling thread; the results it makes
+//     are then read like outputs.
+//   - The pass calls none of them: on whichever of the call's threads it runs, it reads the
+//     pointers validation recorded. So the functions need not be thread-safe.
+// Any of them may throw, and the exception propagates with nothing written; one that derives
+// from gradavg::error and names no variable (variable_index() is npos) is re-raised as the same
+// type, naming the variable and the tower (e.g. an adapter's "unsupported element type", or
+// shape::from_dims's rank limit). Other exceptions reach the caller unchanged.
 //
 // Specialisations ship for std::vector, std::span and std::array (here), Eigen dense types
 // (gradavg/eigen.hpp), Eigen's Tensor module (gradavg/eigen_tensor.hpp) and torch::Tensor

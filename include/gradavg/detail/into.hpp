@@ -1,5 +1,6 @@
 // gradavg internals: average_gradients_into from the user's towers to the pass — the element
-// types, every check (or a plan's proof), then the pass over the proved layout.
+// types, every check (or a plan's proof), then the pass over the proved layout — and the
+// allocating calls, which take the same path into the results they make.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +17,7 @@
 #include "../errors.hpp"
 #include "../options.hpp"
 #include "../plan.hpp"
+#include "../results.hpp"
 #include "../statistics.hpp"
 #include "../tensor.hpp"
 
@@ -36,21 +38,23 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch, proof);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
   if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.check.aliasing);
-  if (v.layout != nullptr)  // always with a plan
-    return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
+  return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
+}
 
-  pass_result pass;
-  auto mean_ptr = [&means](std::size_t i) { return read_output<Means, O>(means, i).data; };
-  pass = with_accumulator<S>(opts, [&]<class Acc>() {
-    if constexpr (with_squares)
-      return average_all_entries<Acc, S>(
-          tg, v.variables, mean_ptr, [squares](std::size_t i) { return read_output<Squares, O>(*squares, i).data; },
-          true, opts);
-    else
-      return average_all_entries<Acc, S>(
-          tg, v.variables, mean_ptr, [](std::size_t) { return static_cast<O*>(nullptr); }, false, opts);
-  });
-  return make_summary(v.averaged, v.skipped, towers, pass, opts);
+/// The allocating calls' pass with gradients read as S (results of the same element type): their
+/// results made (allocate_results), then average_gradients_into's path into them.
+template <class S, class TG, class R, class V>
+void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
+                             averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
+  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
+  require_whole_range(opts);
+  allocated_outputs<R> outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
+  options into = opts;
+  into.check.aliasing = alias_check::none;  // new results overlap nothing
+  if (with_squares)
+    result.report = average_into_typed<S, S>(tower_grads, outputs.means, &outputs.squares, into);
+  else
+    result.report = average_into_typed<S, S>(tower_grads, outputs.means, static_cast<std::nullptr_t*>(nullptr), into);
 }
 
 /// A call whose buffers p proved (matches_plan): the options' checks and the pass.

@@ -202,15 +202,15 @@ struct call : data_path<TG, Means, Squares, S, O> {
         if (plan_state != 0) {
           gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
           restore_own_words();
-          prepare();
+          prepare(gradavg::detail::plan_access::proof(*planned).layout.data());
           return failure;
         }
         gradavg::detail::layout_proof* const proof =
             planned != nullptr ? gradavg::detail::proving_into(*planned) : nullptr;
         bool proved = true;
         gradavg::detail::validated v;
+        gradavg::detail::check_scratch scratch;  // holds the layout until prepare() has read it
         try {
-          gradavg::detail::check_scratch scratch;
           v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
@@ -226,7 +226,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
         // A rank that reads no gradient moves no data: its element types (run-time ones are only
         // known from a gradient) are not compared; the presence check decides.
         if (!any_present) header[h_types] = 0;
-        prepare();
+        prepare(proved ? v.layout : nullptr);
       } catch (const error& e) {
         failure = std::current_exception();
         *failed_variable = e.variable_index();

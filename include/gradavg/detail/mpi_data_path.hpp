@@ -80,33 +80,26 @@ struct data_path {
   bool detect() const noexcept { return opts.compute.on_nonfinite != nonfinite_policy::ignore; }
 
   /// This rank's tables (tower pointers, outputs, sizes and offsets, per-variable sums) and fusion
-  /// buffers, from its own towers: a variable present on every local tower is taken as averaged
-  /// (agreement throws before the data path where that is not so on every rank). Every
-  /// tensor_traits call and every allocation of the call after validation happens here, before
-  /// the first collective, so that a failure here reaches every rank through it.
-  void prepare() {
+  /// buffers, from the table of buffers its checks recorded (validate_into's layout, or its
+  /// plan's): a variable present on tower 0 is taken as averaged (agreement throws before the
+  /// data path where that is not so on every tower of every rank). layout null: the checks found
+  /// a gradient missing on some of this rank's towers, so agreement fails; the tables are sized,
+  /// and empty. Every allocation of the call after validation happens here, before the first
+  /// collective, so that a failure here reaches every rank through it.
+  void prepare(const gradavg::shared_detail::byte_range* layout) {
     work.towers.resize(variables * towers);
     work.outputs.resize(2 * variables);
     work.sums.resize(3 * variables);
     sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
     total = 0;
+    const std::size_t stride = towers + (with_squares ? 2 : 1);
     for (std::size_t i = 0; i < variables; ++i) {
-      std::size_t size = 0;
-      bool everywhere = towers != 0;
-      for (std::size_t k = 0; k < towers && everywhere; ++k) {
-        const auto g = gradavg::detail::read_gradient<TG, S>(tg, k, i);
-        everywhere = g.present;
-        work.towers[i * towers + k] = g.data;
-        size = g.dims.size();
-      }
-      if (everywhere) {
-        work.outputs[2 * i] = gradavg::detail::read_output<Means, O>(means, i).data;
-        if constexpr (with_squares)
-          work.outputs[2 * i + 1] = gradavg::detail::read_output<Squares, O>(*squares, i).data;
-        else work.outputs[2 * i + 1] = nullptr;
-      } else {
-        size = 0;
-      }
+      const gradavg::shared_detail::byte_range* row = layout != nullptr ? layout + i * stride : nullptr;
+      const std::size_t size =
+          row != nullptr && towers != 0 ? static_cast<std::size_t>(row[0].last - row[0].first) / sizeof(S) : 0;
+      for (std::size_t k = 0; k < towers; ++k) work.towers[i * towers + k] = size != 0 ? row[k].first : nullptr;
+      work.outputs[2 * i] = size != 0 ? const_cast<std::byte*>(row[towers].first) : nullptr;
+      work.outputs[2 * i + 1] = size != 0 && with_squares ? const_cast<std::byte*>(row[towers + 1].first) : nullptr;
       sizes[2 * i] = size;
       sizes[2 * i + 1] = total;
       total += size;

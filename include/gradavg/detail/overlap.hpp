@@ -97,12 +97,11 @@ void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagge
 /// variable its gradient on every tower, its means, its squares (when passed). Empty ranges
 /// stand for absent gradients and for the outputs of skipped variables.
 struct layout_writer {
-  byte_range* slots = nullptr;  // null: nothing kept
+  byte_range* slots = nullptr;
   std::size_t count = 0;
   bool same = false;  // every range equals the one already there
 
   void put(const byte_range& r) noexcept {
-    if (slots == nullptr) return;
     if (same && slots[count] == r) {  // a repeated layout is only read, not written again
       ++count;
       return;

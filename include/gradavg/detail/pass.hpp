@@ -1,7 +1,8 @@
-// gradavg internals: the one-process pass behind average_gradients_into and average_gradients —
-// segmentation of the flat element range over threads, the kernel per variable piece, the fused
-// step's ordered statistics, the run-time element types, and the allocating API's pass
-// (average_gradients_into's checks and plan around it: into.hpp).
+// gradavg internals: the one-process pass behind average_gradients_into and average_gradients,
+// over the call's table of buffers — segmentation of the flat element range over threads, the
+// kernel per variable piece (or per run of whole variables), the fused step's ordered statistics,
+// the accumulator type, and the results the allocating calls make (the checks and the plan
+// around the pass: into.hpp).
 #pragma once
 
 #include <algorithm>
@@ -68,26 +69,14 @@ struct pass_result {
   double sum_mean_of_squares = 0;
 };
 
-/// Where the pass finds each variable, through function pointers, so that the pass and the
-/// kernel are compiled once per element type (not once per tensor family and call site):
-/// size_of(i) elements (0 for a skipped variable), tower_data(i, k) tower k's first element,
-/// mean(i) / square(i) the outputs (square returns null for every i without squares).
-/// Or, with layout set (the function pointers unused): variable i's gradients are
-/// layout[i * stride + k] (k < T; empty for a skipped variable), its mean output
-/// layout[i * stride + T] and its squares output layout[i * stride + T + 1] when with_squares:
-/// the byte ranges validation recorded, read without a call per variable and tower.
-template <class S, class O>
-struct pass_source {
-  const void* context;
-  std::size_t (*size_of)(const void* context, std::size_t variable);
-  const S* (*tower_data)(const void* context, std::size_t variable, std::size_t tower);
-  O* (*mean)(const void* context, std::size_t variable);
-  O* (*square)(const void* context, std::size_t variable);
-  const byte_range* layout = nullptr;
-  std::size_t stride = 0;
-  std::size_t total = unknown_total;  // the sum of size_of(i), when the caller knows it
-
-  static constexpr std::size_t unknown_total = std::size_t(-1);
+/// The call's buffers, as validation recorded them (validate_into's layout): variable i's
+/// gradient on tower k is layout[i * stride + k] (k < T; empty for a skipped variable), its means
+/// output begins at layout[i * stride + T] and, with squares, its squares output at
+/// layout[i * stride + T + 1]; total is the sum of the variables' element counts.
+struct pass_table {
+  const byte_range* layout;
+  std::size_t stride;
+  std::size_t total;
 };
 
 /// One call of the pass: the call's constants (range, segments, chunks, the fused parameters),
@@ -95,21 +84,17 @@ struct pass_source {
 template <class S, class Acc, class O>
 class pass_run {
  public:
-  pass_run(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source, bool with_squares,
+  pass_run(std::size_t variable_count, std::size_t tower_count, const pass_table& table, bool with_squares,
            const options& opts)
       : variables_(variable_count),
         towers_(tower_count),
-        source_(source),
-        layout_(source.layout),
+        layout_(table.layout),
+        stride_(table.stride),
+        total_(table.total),
         with_squares_(with_squares),
         opts_(opts),
         fused_(fused_requested(opts)),
         zero_nonfinite_(opts.compute.on_nonfinite == nonfinite_policy::zero) {
-    total_ = source.total;
-    if (total_ == source.unknown_total) {
-      total_ = 0;
-      for (std::size_t i = 0; i < variables_; ++i) total_ += size_of(i);
-    }
     range_begin_ = std::min(opts.compute.range.begin, total_);
     range_end_ = std::min(opts.compute.range.end, total_);
   }
@@ -143,30 +128,15 @@ class pass_run {
   }
 
  private:
-  struct variable_towers {
-    const pass_source<S, O>* source;
-    std::size_t variable;
-    static const S* first_element(const void* context, std::size_t tower) {
-      const auto* self = static_cast<const variable_towers*>(context);
-      return self->source->tower_data(self->source->context, self->variable, tower);
-    }
-  };
-
   static O* output_at(const byte_range& r) noexcept { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); }
 
   std::size_t size_of(std::size_t i) const {
-    if (layout_ != nullptr) {
-      const byte_range& g = layout_[i * source_.stride];
-      return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
-    }
-    return source_.size_of(source_.context, i);
+    const byte_range& g = layout_[i * stride_];
+    return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
   }
-  O* mean_ptr(std::size_t i) const {
-    return layout_ != nullptr ? output_at(layout_[i * source_.stride + towers_]) : source_.mean(source_.context, i);
-  }
+  O* mean_ptr(std::size_t i) const { return output_at(layout_[i * stride_ + towers_]); }
   O* square_ptr(std::size_t i) const {
-    if (layout_ != nullptr) return with_squares_ ? output_at(layout_[i * source_.stride + towers_ + 1]) : nullptr;
-    return source_.square(source_.context, i);
+    return with_squares_ ? output_at(layout_[i * stride_ + towers_ + 1]) : nullptr;
   }
 
   /// Partial range: the variables with at least one element in it.
@@ -202,12 +172,8 @@ class pass_run {
   /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
   void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
                  std::size_t seg_begin, std::size_t seg_end, segment_record& record) const {
-    const variable_towers towers_of_i{&source_, i};
-    const tower_reader<S> reader =
-        layout_ != nullptr
-            ? tower_reader<S>{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout_ + i * source_.stride),
-                              sizeof(byte_range)}
-            : tower_reader<S>{&towers_of_i, &variable_towers::first_element};
+    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(layout_ + i * stride_),
+                                 sizeof(byte_range)};
     if (!fused_) {
       // Nothing to read back (loading the callee's fresh stores of an empty result stalled
       // every call of a small variable).
@@ -245,13 +211,13 @@ class pass_run {
       segment_record& record = records_[s];  // written by the chunk that runs s only
       if (fused_) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
       while (i < variables_ && offset < seg_end) {
-        if (!fused_ && layout_ != nullptr && offset >= seg_begin) {
+        if (!fused_ && offset >= seg_begin) {
           // The segment's whole variables from i on: one kernel call for all of them.
           const std::size_t whole_first = i;
           while (i < variables_ && offset + size_of(i) <= seg_end) offset += size_of(i++);
           if (i != whole_first) {
-            reduce_variables<S, Acc, O>(layout_, source_.stride, whole_first, i, towers_, with_squares_, stream_,
-                                        prefetch_, divisor_);
+            reduce_variables<S, Acc, O>(layout_, stride_, whole_first, i, towers_, with_squares_, stream_, prefetch_,
+                                        divisor_);
             continue;
           }
         }
@@ -310,12 +276,12 @@ class pass_run {
   }
 
   const std::size_t variables_, towers_;
-  const pass_source<S, O>& source_;
   const byte_range* const layout_;
+  const std::size_t stride_, total_;
   const bool with_squares_;
   const options& opts_;
   const bool fused_, zero_nonfinite_;
-  std::size_t total_ = 0, range_begin_ = 0, range_end_ = 0;
+  std::size_t range_begin_ = 0, range_end_ = 0;
   Acc divisor_ = 1;
   fused_params<Acc> params_{};
   std::size_t segment_ = 0, segments_ = 0;
@@ -323,61 +289,24 @@ class pass_run {
   segment_record records_[max_segments];  // fused only
 };
 
-/// Runs the kernel over every variable of source, summing in Acc and writing O.
+/// Runs the kernel over every variable of table, summing in Acc and writing O.
 /// The elements of options.compute.range form one flat range, split into contiguous chunks of whole
 /// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
 /// share a fork/join.
 template <class S, class Acc, class O>
-pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_source<S, O>& source,
+pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_table& table,
                          bool with_squares, const options& opts) {
-  return pass_run<S, Acc, O>(variable_count, tower_count, source, with_squares, opts).run();
+  return pass_run<S, Acc, O>(variable_count, tower_count, table, with_squares, opts).run();
 }
 
 /// average_pass for each of GRADAVG_KERNEL_INSTANCES_ (kernel.hpp; see kernels.hpp).
 #define GRADAVG_PASS_INSTANCE_(S, Acc, O) \
-  template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_source<S, O>&, bool, const options&);
+  template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_table&, bool, const options&);
 #define GRADAVG_EXTERN_PASS_INSTANCE_(S, Acc, O) extern GRADAVG_PASS_INSTANCE_(S, Acc, O)
 
 #if defined(GRADAVG_EXTERN_KERNELS)  // see kernel.hpp
 GRADAVG_KERNEL_INSTANCES_(GRADAVG_EXTERN_PASS_INSTANCE_)
 #endif
-
-/// average_pass over callables: size_of(i), tower_data(i, k), mean_ptr(i), square_ptr(i).
-template <class S, class Acc, class O, class SizeOf, class TowerData, class MeanPtr, class SquarePtr>
-pass_result average_all(std::size_t variable_count, std::size_t tower_count, const SizeOf& size_of,
-                        const TowerData& tower_data, const MeanPtr& mean_ptr, const SquarePtr& square_ptr,
-                        bool with_squares, const options& opts) {
-  struct callables {
-    const SizeOf& size_of;
-    const TowerData& tower_data;
-    const MeanPtr& mean_ptr;
-    const SquarePtr& square_ptr;
-  };
-  const callables c{size_of, tower_data, mean_ptr, square_ptr};
-  using self = const callables*;
-  const pass_source<S, O> source{
-      &c,
-      [](const void* p, std::size_t i) -> std::size_t { return static_cast<self>(p)->size_of(i); },
-      [](const void* p, std::size_t i, std::size_t k) -> const S* { return static_cast<self>(p)->tower_data(i, k); },
-      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->mean_ptr(i); },
-      [](const void* p, std::size_t i) -> O* { return static_cast<self>(p)->square_ptr(i); }};
-  return average_pass<S, Acc, O>(variable_count, tower_count, source, with_squares, opts);
-}
-
-/// average_all reading every gradient again through tower_grads, as S.
-template <class Acc, class S, class TG, class MeanPtr, class SquarePtr>
-pass_result average_all_entries(const TG& tg, std::size_t variable_count, const MeanPtr& mean_ptr,
-                                const SquarePtr& square_ptr, bool with_squares, const options& opts) {
-  using O = std::remove_pointer_t<decltype(mean_ptr(std::size_t{}))>;
-  return average_all<S, Acc, O>(
-      variable_count, std::ranges::size(tg),
-      [&tg](std::size_t i) {
-        const auto g = read_gradient(tg, 0, i);
-        return g.present ? g.dims.size() : 0;
-      },
-      [&tg](std::size_t i, std::size_t k) { return gradient_data<TG, S>(tg, k, i); }, mean_ptr, square_ptr,
-      with_squares, opts);
-}
 
 /// Calls f.template operator()<Acc>() with the accumulator type options choose for S.
 template <class S, class F>
@@ -416,10 +345,9 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
 template <class S, class O>
 summary average_layout(const byte_range* layout, std::size_t variables, std::size_t towers, bool with_squares,
                        std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
-  const std::size_t stride = towers + (with_squares ? 2 : 1);
-  const pass_source<S, O> source{nullptr, nullptr, nullptr, nullptr, nullptr, layout, stride, elements};
+  const pass_table table{layout, towers + (with_squares ? 2 : 1), elements};
   const pass_result pass = with_accumulator<S>(
-      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, source, with_squares, opts); });
+      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, table, with_squares, opts); });
   return make_summary(averaged, skipped, towers, pass, opts);
 }
 
@@ -473,24 +401,6 @@ allocated_outputs<R> allocate_results(const TG& tower_grads, std::size_t variabl
     if (with_squares) outputs.squares[i] = &result.squares[slot_of[i]].first;
   }
   return outputs;
-}
-
-/// The allocating API's pass with gradients read as S (results of the same element type),
-/// after validation; with_squares: the means of squares are returned too.
-template <class S, class TG, class R, class V>
-void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
-                             averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
-  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
-  require_whole_range(opts);
-  const allocated_outputs<R> outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
-  const pass_result pass = with_accumulator<S>(opts, [&]<class Acc>() {
-    return average_all_entries<Acc, S>(
-        tower_grads, variable_count, [&](std::size_t i) { return typed_mutable_data<S>(*outputs.means[i]); },
-        [&](std::size_t i) -> S* { return with_squares ? typed_mutable_data<S>(*outputs.squares[i]) : nullptr; },
-        with_squares, opts);
-  });
-  result.report = make_summary(result.gradients.size(), result.skipped.size(), std::ranges::size(tower_grads),
-                               pass, opts);
 }
 
 }  // namespace detail

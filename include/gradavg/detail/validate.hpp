@@ -26,14 +26,13 @@ struct validated {
   std::size_t averaged = 0;
   std::size_t skipped = 0;
   std::size_t elements = 0;  // of every averaged variable
-  const byte_range* layout = nullptr;  // null: the kernel reads the entries again
+  const byte_range* layout = nullptr;  // the table the pass reads (layout_slots)
 };
 
-/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable): a
-/// plan's proof (remembering whether the last proved layout is repeated), the stack's when it
-/// fits, or, for the full overlap check only, a heap array (the one allocation, documented in
-/// average.hpp). slots stays null where the layout is not needed.
-inline layout_writer layout_slots(const options& opts, layout_proof* proof, check_scratch& scratch, std::size_t slots,
+/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable), the
+/// table the pass reads: a plan's proof (remembering whether the last proved layout is repeated),
+/// the stack's when it fits, or a heap array (the one allocation, documented in average.hpp).
+inline layout_writer layout_slots(layout_proof* proof, check_scratch& scratch, std::size_t slots,
                                   std::size_t tower_count, bool with_squares) {
   layout_writer layout;
   if (proof != nullptr) {
@@ -44,7 +43,7 @@ inline layout_writer layout_slots(const options& opts, layout_proof* proof, chec
     layout.slots = proof->layout.data();
   } else if (slots <= stack_ranges) {
     layout.slots = scratch.layout.data();
-  } else if (opts.check.aliasing == alias_check::all) {
+  } else {
     scratch.heap_layout.reset(new byte_range[slots]);
     layout.slots = scratch.heap_layout.get();
   }
@@ -153,7 +152,7 @@ void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, c
 /// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
 /// contiguity, the variable), in one pass over the variables. Errors keep their precedence:
 /// towers and gradients first (variable by variable), then outputs, then overlaps. `scratch`
-/// holds the layout when no proof is given and it fits (layout_slots); proof: a plan's, which
+/// holds the layout when no proof is given (layout_slots); proof: a plan's, which
 /// keeps the layout (and proved, for the full check) when every check passes.
 /// S and O: the element types the gradients are read as and the outputs written as (the traits'
 /// value_type, or the run-time type validate_elements found).
@@ -174,7 +173,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
 
   const bool full = opts.check.aliasing == alias_check::all;
   const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
-  layout_writer layout = layout_slots(opts, proof, scratch, slots, tower_count, with_squares);
+  layout_writer layout = layout_slots(proof, scratch, slots, tower_count, with_squares);
   variable_walk walk;
   walk.result.variables = variable_count;
   for (std::size_t i = 0; i < variable_count; ++i)
