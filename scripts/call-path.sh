@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The files a call of average_gradients_into passes through on its way to the kernel: a small
 # unit (2 towers of one 64-float std::vector, default options) built with -O0 -g, stopped in
-# gdb where the kernel (reduce_range_impl) begins; its call stack printed from the caller down,
+# gdb where the kernel's steps begin (group_pass::run_steps); its call stack printed from the caller down,
 # then the count of file changes and of files entered again after being left.
 #
 #   scripts/call-path.sh        (needs g++, gdb and Eigen's headers)
@@ -27,7 +27,7 @@ int main() {
 }
 CPP
 "${CXX:-g++}" -std=c++20 -O0 -g -isystem /usr/include/eigen3 -I"$root/include" "$work/call.cpp" -o "$work/call"
-line="$(grep -n 'const Acc reciprocal = exact_reciprocal(divisor);' include/gradavg/detail/kernel_level.hpp | head -1 | cut -d: -f1)"
+line="$(grep -n 'const bool prefetching = software_prefetch && prefetch;' include/gradavg/detail/kernel_level.hpp | head -1 | cut -d: -f1)"
 gdb -batch -ex "break kernel_level.hpp:$line" -ex run -ex bt "$work/call" 2>/dev/null |
   sed -nE 's/^#[0-9]+ .* at (.*):([0-9]+)$/\1:\2/p' | sed "s|^$root/include/||" | tac >"$work/stack"
 cat "$work/stack"
