@@ -9,6 +9,8 @@
 //                   towers unrolled), no checks: the floor
 //     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
 //                   contiguity compared with the proof of the first call, nothing else checked
+//     plan_fused    the same with the fused step's non-finite report and statistics (the bare
+//                   loop computes neither: against plan, what they add)
 //     uncached      gradavg, default checks (alias_check::all), no plan: sort and sweep every call
 //     same_variable gradavg, the partial check (no sort)
 //     none          gradavg, no overlap check
@@ -115,6 +117,10 @@ void BM_small(benchmark::State& state) {
 #if __has_include(<gradavg/plan.hpp>)
   gradavg::plan plan;
   cs.push_back({"plan", [&] { gradavg::average_gradients_into(plan, s.tg, s.mean_spans, s.square_spans); }, {}});
+  gradavg::plan fused_plan;
+  const gradavg::options fused{.compute = {.on_nonfinite = gradavg::nonfinite_policy::report, .statistics = true}};
+  cs.push_back({"plan_fused",
+                [&] { gradavg::average_gradients_into(fused_plan, s.tg, s.mean_spans, s.square_spans, fused); }, {}});
 #endif
   cs.push_back({"uncached", [&] { gradavg::average_gradients_into(s.tg, s.mean_spans, s.square_spans); }, {}});
   cs.push_back({"same_variable", [&] {
