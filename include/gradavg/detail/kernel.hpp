@@ -396,20 +396,17 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
                                             divisor, fused));
 }
 
-/// Whole variables [first, last) of table, each as reduce_range over all its elements, with one
-/// dispatch for all of them: variable i's gradient on tower k is the range table[i * stride + k]
-/// (empty: the variable is skipped), its means output begins at table[i * stride + T] and,
-/// with_squares, its squares output at table[i * stride + T + 1]. fused: as reduce_range's,
-/// with variable first + j's result in results[j] (last - first of them; a skipped variable's
-/// left as it was); null for the plain pass (results unused).
+/// Whole variables [first, last) of table, plain pass, each as reduce_range over all its
+/// elements, with one dispatch for all of them: variable i's gradient on tower k is the range
+/// table[i * stride + k] (empty: the variable is skipped), its means output begins at
+/// table[i * stride + T] and, with_squares, its squares output at table[i * stride + T + 1].
 template <class S, class Acc, class O>
 void reduce_variables(const shared_detail::byte_range* table, std::size_t stride, std::size_t first, std::size_t last,
-                      std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor,
-                      const fused_params<Acc>* fused, piece_result* results) {
+                      std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor) {
   if (first >= last) return;
   GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
                     reduce_variables<S, Acc, O>(table, stride, first, last, tower_count, with_squares, streaming,
-                                                prefetch, divisor, fused, results));
+                                                prefetch, divisor));
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, with

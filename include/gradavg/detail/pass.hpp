@@ -200,31 +200,6 @@ class pass_run {
     }
   }
 
-  /// Whole variables of one segment, in a fused pass, per kernel call: their results on the stack.
-  static constexpr std::size_t whole_batch = 64;
-
-  /// Whole variables [first, last) of one segment, in one kernel call; fused, each one's result
-  /// then finished and added to the segment's record, in variable order (as run_piece does).
-  void run_whole(std::size_t first, std::size_t last, segment_record& record) const {
-    if (!fused_) {
-      reduce_variables<S, Acc, O>(layout_, stride_, first, last, towers_, with_squares_, stream_, prefetch_, divisor_,
-                                  nullptr, nullptr);
-      return;
-    }
-    piece_result results[whole_batch];
-    reduce_variables<S, Acc, O>(layout_, stride_, first, last, towers_, with_squares_, stream_, prefetch_, divisor_,
-                                &params_, results);
-    for (std::size_t i = first; i < last; ++i) {
-      const std::size_t size = size_of(i);
-      if (size == 0) continue;
-      piece_result& piece = results[i - first];
-      if (zero_nonfinite_ && piece.nonfinite) zero_outputs(i, 0, size);
-      finish_variable(i, piece);
-      record.inner.add(piece);
-      record.inner_nonfinite += piece.nonfinite ? 1 : 0;
-    }
-  }
-
   /// Segments [first_segment, last_segment): one chunk's walk over the variables they cover.
   void run_segments(std::size_t first_segment, std::size_t last_segment) {
     const std::size_t first = range_begin_ + first_segment * segment_;
@@ -236,14 +211,13 @@ class pass_run {
       segment_record& record = records_[s];  // written by the chunk that runs s only
       if (fused_) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
       while (i < variables_ && offset < seg_end) {
-        if (offset >= seg_begin) {
-          // The segment's whole variables from i on (at most whole_batch of them when fused): one
-          // kernel call for all of them.
+        if (!fused_ && offset >= seg_begin) {
+          // The segment's whole variables from i on: one kernel call for all of them.
           const std::size_t whole_first = i;
-          while (i < variables_ && offset + size_of(i) <= seg_end && (!fused_ || i - whole_first < whole_batch))
-            offset += size_of(i++);
+          while (i < variables_ && offset + size_of(i) <= seg_end) offset += size_of(i++);
           if (i != whole_first) {
-            run_whole(whole_first, i, record);
+            reduce_variables<S, Acc, O>(layout_, stride_, whole_first, i, towers_, with_squares_, stream_, prefetch_,
+                                        divisor_);
             continue;
           }
         }

@@ -120,13 +120,11 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
                                                     prefetch, streaming);
 }
 
-/// Whole variables [first, last) of a table (kernel.hpp's reduce_variables): the Direct pass
-/// inlined in the loop over the variables, so a small variable costs no call. Fused: variable
-/// first + j's result in results[j].
-template <class S, class Acc, class O, bool Fused, bool WithSquare>
+/// Whole variables [first, last) of a table, plain pass (kernel.hpp's reduce_variables): the
+/// Direct pass inlined in the loop over the variables, so a small variable costs no call.
+template <class S, class Acc, class O, bool WithSquare>
 void reduce_variables_impl(const shared_detail::byte_range* table, std::size_t stride, std::size_t first,
-                           std::size_t last, std::size_t tower_count, bool with_squares, bool streaming, bool prefetch,
-                           Acc divisor, const fused_params<Acc>* fused, piece_result* results) {
+                           std::size_t last, std::size_t tower_count, bool streaming, bool prefetch, Acc divisor) {
   using shared_detail::byte_range;
   const Acc reciprocal = exact_reciprocal(divisor);
   for (std::size_t i = first; i < last; ++i) {
@@ -135,40 +133,26 @@ void reduce_variables_impl(const shared_detail::byte_range* table, std::size_t s
     if (n == 0) continue;
     const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(v), sizeof(byte_range)};
     O* mean = const_cast<O*>(reinterpret_cast<const O*>(v[tower_count].first));
-    O* square = with_squares ? const_cast<O*>(reinterpret_cast<const O*>(v[tower_count + 1].first)) : nullptr;
-    piece_result result{};
+    O* square = WithSquare ? const_cast<O*>(reinterpret_cast<const O*>(v[tower_count + 1].first)) : nullptr;
     if (tower_count <= group_towers && !streaming) {
-      variable_pass<S, Acc, Fused> towers;
-      towers.load(reader, 0, tower_count, 0, fused);
-      reduce_direct<S, Acc, O, Fused, WithSquare, false>(towers, tower_count, n, mean, square, divisor, reciprocal,
-                                                         fused, prefetch);
-      if constexpr (Fused) result = towers.state.result();
+      variable_pass<S, Acc, false> towers;
+      towers.load(reader, 0, tower_count, 0, nullptr);
+      reduce_direct<S, Acc, O, false, WithSquare, false>(towers, tower_count, n, mean, square, divisor, reciprocal,
+                                                         nullptr, prefetch);
     } else {
-      result = reduce_range_impl<S, Acc, O, Fused, WithSquare>(reader, tower_count, 0, n, mean, square, divisor, fused,
-                                                               prefetch, streaming);
+      reduce_range_impl<S, Acc, O, false, WithSquare>(reader, tower_count, 0, n, mean, square, divisor, nullptr,
+                                                      prefetch, streaming);
     }
-    if constexpr (Fused) results[i - first] = result;
   }
 }
 
 template <class S, class Acc, class O>
 void reduce_variables(const shared_detail::byte_range* table, std::size_t stride, std::size_t first, std::size_t last,
-                      std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor,
-                      const fused_params<Acc>* fused, piece_result* results) {
-  if (fused != nullptr) {
-    if (with_squares || fused->statistics)
-      reduce_variables_impl<S, Acc, O, true, true>(table, stride, first, last, tower_count, with_squares, streaming,
-                                                   prefetch, divisor, fused, results);
-    else
-      reduce_variables_impl<S, Acc, O, true, false>(table, stride, first, last, tower_count, with_squares, streaming,
-                                                    prefetch, divisor, fused, results);
-  } else if (with_squares) {
-    reduce_variables_impl<S, Acc, O, false, true>(table, stride, first, last, tower_count, true, streaming, prefetch,
-                                                  divisor, nullptr, nullptr);
-  } else {
-    reduce_variables_impl<S, Acc, O, false, false>(table, stride, first, last, tower_count, false, streaming, prefetch,
-                                                   divisor, nullptr, nullptr);
-  }
+                      std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor) {
+  if (with_squares)
+    reduce_variables_impl<S, Acc, O, true>(table, stride, first, last, tower_count, streaming, prefetch, divisor);
+  else
+    reduce_variables_impl<S, Acc, O, false>(table, stride, first, last, tower_count, streaming, prefetch, divisor);
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, stored
