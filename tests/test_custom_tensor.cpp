@@ -25,7 +25,26 @@ struct maybe_tensor {
   bool defined = true;
 };
 
+/// A vector that counts how often its shape is read, when `reads` is set.
+struct counted_vector {
+  std::vector<float> values;
+  std::size_t* reads = nullptr;
+};
+
 }  // namespace user
+
+template <>
+struct gradavg::tensor_traits<user::counted_vector> {
+  using value_type = float;
+  using result_type = user::counted_vector;
+  static const float* data(const user::counted_vector& t) noexcept { return t.values.data(); }
+  static float* mutable_data(user::counted_vector& t) noexcept { return t.values.data(); }
+  static gradavg::shape shape(const user::counted_vector& t) noexcept {
+    if (t.reads != nullptr) ++*t.reads;
+    return gradavg::shape::vector(t.values.size());
+  }
+  static user::counted_vector make(const gradavg::shape& s) { return {std::vector<float>(s.size()), nullptr}; }
+};
 
 template <>
 struct gradavg::tensor_traits<user::maybe_tensor> {
@@ -91,6 +110,32 @@ TEST_CASE("a user tensor type works with both APIs") {
   std::vector<user::matrix> means{random_matrix(7, 9, 99)};
   gradavg::average_gradients_into(tg, means);
   CHECK(means[0].values == r.gradients[0].first.values);
+}
+
+TEST_CASE("the allocating call reads each gradient's shape once to check it, and tower 0's again to make results") {
+  const std::size_t towers = 4, variables = 6;
+  std::size_t reads = 0;
+  std::vector<std::vector<user::counted_vector>> grads(towers);
+  std::vector<std::vector<std::pair<const user::counted_vector*, std::size_t>>> tg(towers);
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i)
+      grads[k].push_back({gradavg_test::random_values<float>(3 + i, static_cast<std::uint32_t>(10 * k + i)), &reads});
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i) tg[k].push_back({&grads[k][i], i});
+
+  const auto r = gradavg::average_gradients(tg, gradavg::include_square);
+  CHECK(reads == (towers + 1) * variables);
+  REQUIRE(r.gradients.size() == variables);
+  for (std::size_t i = 0; i < variables; ++i) {
+    std::vector<const float*> ptrs;
+    for (std::size_t k = 0; k < towers; ++k) ptrs.push_back(grads[k][i].values.data());
+    const gradavg_test::reference<float> want(ptrs, 3 + i);
+    const auto mean_scale = gradavg_test::magnitude<float>(ptrs, 3 + i, false);
+    const auto square_scale = gradavg_test::magnitude<float>(ptrs, 3 + i, true);
+    CHECK(r.gradients[i].second == i);
+    CHECK(gradavg_test::first_mismatch(r.gradients[i].first.values.data(), want.mean, mean_scale, towers) == 3 + i);
+    CHECK(gradavg_test::first_mismatch(r.squares[i].first.values.data(), want.square, square_scale, towers) == 3 + i);
+  }
 }
 
 TEST_CASE("a user tensor's shape is checked: 7x9 against 9x7") {

@@ -45,13 +45,15 @@ struct fixture {
       squares.push_back(grads(s, -43.0f));
     }
   }
-  /// Runs both APIs, each must throw E; returns the message of the _into call.
+  /// Runs both APIs, each must throw E with the same message; returns it.
   template <class E>
-  std::string both_throw() {
+  std::string both_throw(const gradavg::options& opts = {}) {
     const auto inputs = data;
     const auto means_before = means, squares_before = squares;
-    CHECK_THROWS_AS(gradavg::average_gradients(tg, gradavg::include_square), E);
-    const std::string msg = message_of<E>([&] { gradavg::average_gradients_into(tg, means, squares); });
+    const std::string allocating =
+        message_of<E>([&] { (void)gradavg::average_gradients(tg, gradavg::include_square, opts); });
+    const std::string msg = message_of<E>([&] { gradavg::average_gradients_into(tg, means, squares, opts); });
+    CHECK(allocating == msg);
     CHECK(means == means_before);
     CHECK(squares == squares_before);
     CHECK(data == inputs);
@@ -118,6 +120,23 @@ TEST_CASE("a gradient missing on some towers only") {
   CHECK(contains(msg, "variable #1 'b1'"));
   CHECK(contains(msg, "missing on towers 1 and 3 but present on towers 0, 2 and 4 (3 of 5 towers)"));
   CHECK(gradavg_test::exception_of<gradavg::error>([&] { gradavg::average_gradients(f.tg); }).variable_index() == 1);
+}
+
+TEST_CASE("several defects: both APIs report the first variable's, gradients before options") {
+  fixture f(4);
+  f.data[2][2].resize(7);        // variable 2: a shape on tower 2
+  f.tg[0][1].first = nullptr;    // variable 1: missing on tower 0 only
+  f.tg[0][0].second = "other";   // variable 0: tower 0's variable differs from the others'
+  const gradavg::options two_weights{.compute = {.weights = std::vector<double>{1, 2}}};
+  CHECK(contains(f.both_throw<gradavg::variable_mismatch_error>(two_weights), "variable #0"));
+  f.tg[0][0].second = "w1";
+  const auto missing = f.both_throw<gradavg::missing_gradient_error>(two_weights);
+  CHECK(contains(missing, "variable #1 'b1'"));
+  CHECK(contains(missing, "missing on tower 0"));
+  f.tg[0][1].first = &f.data[0][1];
+  CHECK(contains(f.both_throw<gradavg::shape_error>(two_weights), "variable #2 'w2'"));
+  f.data[2][2].resize(8);
+  CHECK(contains(f.both_throw<gradavg::weight_error>(two_weights), "holds 2 weights but there are 4 towers"));
 }
 
 TEST_CASE("many towers missing a gradient are listed in short") {

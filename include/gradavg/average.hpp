@@ -112,7 +112,9 @@ auto average_allocating(const TG& tower_grads, bool with_squares, const options&
                 "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
-  const std::size_t variable_count = validate_towers(tower_grads);
+  // Only what making the results needs is read here: every other check is average_gradients_into's.
+  require_whole_range(opts);
+  const std::size_t variable_count = validate_tower_counts(tower_grads);
   averaged_gradients<R, V> result;
   if constexpr (dynamic_tensor<G>) {
     const element_type e = validate_elements(tower_grads, variable_count, static_cast<std::nullptr_t*>(nullptr),

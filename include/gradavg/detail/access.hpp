@@ -187,15 +187,6 @@ GRADAVG_HOT_ auto read_gradient(const TG& tg, std::size_t tower, std::size_t i) 
   return with_entry(tg, tower, i, [&tg, tower, i](const entry_t<TG>& e) { return read_gradient_at<TG, S>(tg, e, tower, i); });
 }
 
-/// Tower k's gradient of variable i's first element; the caller has checked that it is present.
-template <class TG, class S = default_value_t<gradient_tensor_t<TG>>>
-GRADAVG_HOT_ auto gradient_data(const TG& tg, std::size_t tower, std::size_t i) {
-  return with_entry(tg, tower, i, [](const entry_t<TG>& e) -> const S* {
-    auto&& s = entry_traits<entry_t<TG>>::gradient(e);
-    return typed_data<S>(slot_get(s));
-  });
-}
-
 /// A copy of tower 0's variable i.
 template <class TG>
 variable_t<TG> variable_copy(const TG& tg, std::size_t i) {

@@ -42,12 +42,11 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
 }
 
 /// The allocating calls' pass with gradients read as S (results of the same element type): their
-/// results made (allocate_results), then average_gradients_into's path into them.
+/// results made from tower 0's shapes (allocate_results), then average_gradients_into's path
+/// into them, whose checks report any error in its order (the results are then dropped).
 template <class S, class TG, class R, class V>
 void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, element_type element,
                              averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
-  validate_options(opts, std::ranges::size(tower_grads), variable_count, accumulator_max<S>(opts));
-  require_whole_range(opts);
   allocated_outputs<R> outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
   options into = opts;
   into.check.aliasing = alias_check::none;  // new results overlap nothing

@@ -25,6 +25,18 @@ struct byte_range {
   friend bool operator==(const byte_range&, const byte_range&) = default;
 };
 
+/// How many T a table row's buffer holds.
+template <class T>
+[[nodiscard]] std::size_t elements_in(const byte_range& r) noexcept {
+  return static_cast<std::size_t>(r.last - r.first) / sizeof(T);
+}
+
+/// A table row's output buffer, writable: the checks recorded it from the caller's mutable output.
+template <class T>
+[[nodiscard]] T* output_start(const byte_range& r) noexcept {
+  return const_cast<T*>(reinterpret_cast<const T*>(r.first));
+}
+
 /// Which buffer a byte range is: variable i's gradient on one tower, its means or its squares.
 struct tagged_range {
   enum kind_t : std::uint8_t { gradient, means, squares };

@@ -96,10 +96,11 @@ struct data_path {
     for (std::size_t i = 0; i < variables; ++i) {
       const gradavg::shared_detail::byte_range* row = layout != nullptr ? layout + i * stride : nullptr;
       const std::size_t size =
-          row != nullptr && towers != 0 ? static_cast<std::size_t>(row[0].last - row[0].first) / sizeof(S) : 0;
+          row != nullptr && towers != 0 ? gradavg::shared_detail::elements_in<S>(row[0]) : 0;
       for (std::size_t k = 0; k < towers; ++k) work.towers[i * towers + k] = size != 0 ? row[k].first : nullptr;
-      work.outputs[2 * i] = size != 0 ? const_cast<std::byte*>(row[towers].first) : nullptr;
-      work.outputs[2 * i + 1] = size != 0 && with_squares ? const_cast<std::byte*>(row[towers + 1].first) : nullptr;
+      work.outputs[2 * i] = size != 0 ? gradavg::shared_detail::output_start<std::byte>(row[towers]) : nullptr;
+      work.outputs[2 * i + 1] =
+          size != 0 && with_squares ? gradavg::shared_detail::output_start<std::byte>(row[towers + 1]) : nullptr;
       sizes[2 * i] = size;
       sizes[2 * i + 1] = total;
       total += size;

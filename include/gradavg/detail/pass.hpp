@@ -128,15 +128,10 @@ class pass_run {
   }
 
  private:
-  static O* output_at(const byte_range& r) noexcept { return const_cast<O*>(reinterpret_cast<const O*>(r.first)); }
-
-  std::size_t size_of(std::size_t i) const {
-    const byte_range& g = layout_[i * stride_];
-    return static_cast<std::size_t>(g.last - g.first) / sizeof(S);
-  }
-  O* mean_ptr(std::size_t i) const { return output_at(layout_[i * stride_ + towers_]); }
+  std::size_t size_of(std::size_t i) const { return shared_detail::elements_in<S>(layout_[i * stride_]); }
+  O* mean_ptr(std::size_t i) const { return shared_detail::output_start<O>(layout_[i * stride_ + towers_]); }
   O* square_ptr(std::size_t i) const {
-    return with_squares_ ? output_at(layout_[i * stride_ + towers_ + 1]) : nullptr;
+    return with_squares_ ? shared_detail::output_start<O>(layout_[i * stride_ + towers_ + 1]) : nullptr;
   }
 
   /// Partial range: the variables with at least one element in it.

@@ -129,11 +129,11 @@ void reduce_variables_impl(const shared_detail::byte_range* table, std::size_t s
   const Acc reciprocal = exact_reciprocal(divisor);
   for (std::size_t i = first; i < last; ++i) {
     const byte_range* v = table + i * stride;
-    const std::size_t n = static_cast<std::size_t>(v[0].last - v[0].first) / sizeof(S);
+    const std::size_t n = shared_detail::elements_in<S>(v[0]);
     if (n == 0) continue;
     const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(v), sizeof(byte_range)};
-    O* mean = const_cast<O*>(reinterpret_cast<const O*>(v[tower_count].first));
-    O* square = WithSquare ? const_cast<O*>(reinterpret_cast<const O*>(v[tower_count + 1].first)) : nullptr;
+    O* mean = shared_detail::output_start<O>(v[tower_count]);
+    O* square = WithSquare ? shared_detail::output_start<O>(v[tower_count + 1]) : nullptr;
     if (tower_count <= group_towers && !streaming) {
       variable_pass<S, Acc, false> towers;
       towers.load(reader, 0, tower_count, 0, nullptr);
