@@ -1,0 +1,168 @@
+// gradavg internals: one chunk's walk of a call's table of buffers into the kernel. The pass
+// (pass.hpp) cuts the flat element range into segments, hands whole segments to each chunk, and
+// after every chunk has returned folds the segments' records in order; a chunk walks the
+// variables its segments cover: runs of whole variables in one kernel call, pieces one by one.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <limits>
+#include <type_traits>
+
+#include "isa.hpp"
+#include "kernel.hpp"
+#include "validate.hpp"
+#include "../options.hpp"
+#include "../statistics.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+/// The flat element range of a call is cut into at most max_segments segments of a size that
+/// depends only on the range's length (a power-of-two multiple of the split granularity), and
+/// threads take whole segments. Everything the fused pass sums is summed per segment and then
+/// segment by segment in order, so statistics never depend on the thread count.
+inline constexpr std::size_t max_segments = 256;
+
+/// What one segment's fused pass found: the piece of the variable that began before it (head),
+/// the variables that begin and end in it (inner, summed in order), the piece of the variable that
+/// begins in it and continues (tail). Trivial, so that an array of them costs nothing to declare.
+struct segment_record {
+  static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
+  std::size_t head_variable;
+  bool head_ends;
+  piece_result head;
+  std::size_t tail_variable;
+  piece_result tail;
+  piece_result inner;
+  std::size_t inner_nonfinite;
+};
+static_assert(std::is_trivially_default_constructible_v<segment_record>);
+
+/// The call's buffers, as validation recorded them (validate_into's layout): variable i's
+/// gradient on tower k is layout[i * stride + k] (k < T; empty for a skipped variable), its means
+/// output begins at layout[i * stride + T] and, with squares, its squares output at
+/// layout[i * stride + T + 1]; total is the sum of the variables' element counts.
+struct pass_table {
+  const byte_range* layout;
+  std::size_t stride;
+  std::size_t total;
+};
+
+/// A call's constants as the chunks read them, and the walk of one chunk: walk(c) runs chunk c
+/// of `chunks`, i.e. segments [segments * c / chunks, segments * (c + 1) / chunks). The pass sets
+/// every member before the first chunk runs; chunks only read them, and write only the records
+/// of their own segments.
+template <class S, class Acc, class O>
+struct segment_walk {
+  std::size_t variables = 0, towers = 0;
+  pass_table table{};
+  bool with_squares = false;
+  const options* opts = nullptr;
+  bool fused = false, zero_nonfinite = false;
+  std::size_t range_begin = 0, range_end = 0;  // the flat range, clamped to table.total
+  Acc divisor = 1;
+  fused_params<Acc> params{};
+  std::size_t segment = 0, segments = 0, chunks = 0;
+  bool prefetch = false, stream = false;
+  segment_record* records = nullptr;  // max_segments of them; filled by the fused pass only
+
+  void operator()(std::size_t c) { run_segments(segments * c / chunks, segments * (c + 1) / chunks); }
+
+  std::size_t size_of(std::size_t i) const { return shared_detail::elements_in<S>(table.layout[i * table.stride]); }
+  O* mean_ptr(std::size_t i) const { return shared_detail::output_start<O>(table.layout[i * table.stride + towers]); }
+  O* square_ptr(std::size_t i) const {
+    return with_squares ? shared_detail::output_start<O>(table.layout[i * table.stride + towers + 1]) : nullptr;
+  }
+
+  void zero_outputs(std::size_t i, std::size_t begin, std::size_t end) const {
+    std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
+    if (O* q = square_ptr(i)) std::fill(q + begin, q + end, O(0));
+  }
+
+  /// A variable's combined result: zeroed when the policy says, reported per variable.
+  void finish_variable(std::size_t i, piece_result& r) const {
+    const compute_options& c = opts->compute;
+    if (zero_nonfinite && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
+    if (!c.per_variable.empty()) {
+      variable_statistics& out = c.per_variable[i];
+      if (c.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+      if (c.statistics) {
+        out.sum_mean_squared = r.sum_mean_squared;
+        out.sum_mean_of_squares = r.sum_mean_of_squares;
+      }
+    }
+  }
+
+  /// Elements [begin, end) of variable i (size elements, starting at flat index offset), in the
+  /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
+  void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
+                 std::size_t seg_begin, std::size_t seg_end, segment_record& record) const {
+    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.layout + i * table.stride),
+                                 sizeof(byte_range)};
+    if (!fused) {
+      // Nothing to read back (loading the callee's fresh stores of an empty result stalled
+      // every call of a small variable).
+      reduce_range<S, Acc>(reader, towers, begin, end, mean_ptr(i), square_ptr(i), stream, prefetch, divisor, nullptr);
+      return;
+    }
+    piece_result piece =
+        reduce_range<S, Acc>(reader, towers, begin, end, mean_ptr(i), square_ptr(i), stream, prefetch, divisor, &params);
+    const bool starts_here = offset >= seg_begin || seg_begin == range_begin;
+    const bool ends_here = offset + size <= seg_end || seg_end == range_end;
+    if (!starts_here) {
+      record.head_variable = i;
+      record.head_ends = ends_here;
+      record.head = piece;
+    } else if (!ends_here) {
+      record.tail_variable = i;
+      record.tail = piece;
+    } else {
+      if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
+      finish_variable(i, piece);
+      record.inner.add(piece);
+      record.inner_nonfinite += piece.nonfinite ? 1 : 0;
+    }
+  }
+
+  /// Segments [first_segment, last_segment): one chunk's walk over the variables they cover.
+  void run_segments(std::size_t first_segment, std::size_t last_segment) const {
+    const std::size_t first = range_begin + first_segment * segment;
+    std::size_t i = 0, offset = 0;  // variable i begins at flat index offset
+    while (i < variables && offset + size_of(i) <= first) offset += size_of(i++);
+    for (std::size_t s = first_segment; s < last_segment; ++s) {
+      const std::size_t seg_begin = range_begin + s * segment;
+      const std::size_t seg_end = std::min(range_end, seg_begin + segment);
+      segment_record& record = records[s];  // written by the chunk that runs s only
+      if (fused) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
+      while (i < variables && offset < seg_end) {
+        if (!fused && offset >= seg_begin) {
+          // The segment's whole variables from i on: one kernel call for all of them.
+          const std::size_t whole_first = i;
+          while (i < variables && offset + size_of(i) <= seg_end) offset += size_of(i++);
+          if (i != whole_first) {
+            reduce_variables<S, Acc, O>(table.layout, table.stride, whole_first, i, towers, with_squares, stream,
+                                        prefetch, divisor);
+            continue;
+          }
+        }
+        const std::size_t size = size_of(i);
+        if (size == 0) {
+          ++i;
+          continue;
+        }
+        const std::size_t begin = std::max(offset, seg_begin) - offset;
+        const std::size_t end = std::min(offset + size, seg_end) - offset;
+        run_piece(i, size, offset, begin, end, seg_begin, seg_end, record);
+        if (offset + size > seg_end) break;  // continues in the next segment
+        offset += size;
+        ++i;
+      }
+    }
+  }
+};
+
+}  // namespace detail
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
