@@ -30,6 +30,26 @@
 #include "support.hpp"
 #include "x87_check.hpp"
 
+namespace counted {
+
+/// A vector that counts how often its shape is read.
+struct vec {
+  std::vector<float> values;
+  std::size_t* reads = nullptr;
+};
+
+}  // namespace counted
+
+template <>
+struct gradavg::tensor_traits<counted::vec> {
+  using value_type = float;
+  static const float* data(const counted::vec& t) noexcept { return t.values.data(); }
+  static gradavg::shape shape(const counted::vec& t) noexcept {
+    ++*t.reads;
+    return gradavg::shape::vector(t.values.size());
+  }
+};
+
 namespace {
 
 using namespace gradavg_test;
@@ -677,6 +697,30 @@ TEST_CASE("with plans: a rank without one means every collective; a new scale, o
     for (std::size_t j = 0; j < want.size(); ++j) CHECK(out[i][j] == Approx(0.5 * want[j]).margin(1e-12));
   }
   CHECK(all_ranks.proofs() == 1);
+}
+
+TEST_CASE("one read of each gradient per call: its checks give the agreement its presence and shape") {
+  // Rank r's tower k holds r * T + k + i in every element of variable i: every sum is exact, so
+  // each mean is the exact mean rounded once.
+  const std::size_t towers = 3, variables = 5, n = 7;
+  const auto rank = static_cast<std::size_t>(world_rank()), ranks = static_cast<std::size_t>(world_size());
+  std::size_t reads = 0;
+  std::vector<std::vector<counted::vec>> grads(towers);
+  std::vector<std::vector<std::pair<const counted::vec*, std::string>>> tg(towers);
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i)
+      grads[k].push_back({std::vector<float>(n, static_cast<float>(rank * towers + k + i)), &reads});
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < variables; ++i) tg[k].push_back({&grads[k][i], "v" + std::to_string(i)});
+  std::vector<std::vector<float>> means(variables, std::vector<float>(n, -1.0f));
+
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, means);
+  CHECK(reads == towers * variables);
+  const double all = static_cast<double>(ranks * towers);
+  for (std::size_t i = 0; i < variables; ++i) {
+    const double want = (all - 1) / 2 + static_cast<double>(i);
+    for (float x : means[i]) CHECK(x == static_cast<float>(want));
+  }
 }
 
 TEST_CASE("a gradient missing on one tower of the last rank: missing_gradient_error on every rank") {

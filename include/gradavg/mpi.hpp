@@ -14,10 +14,10 @@
 //
 // The call, in phases, so that no rank waits in a collective another rank has left:
 //   - Local: each rank validates its towers and outputs exactly as the one-process call does
-//     (recording every buffer's bytes in a table, as there), reads each variable's presence and
-//     shape for the agreement, then takes every pointer it will use from that table and sizes its
-//     buffers. Every tensor_traits call (two per gradient: validation, then the agreement's
-//     words) and every allocation of the call happens here.
+//     (recording every buffer's bytes in a table, as there, and each variable's presence and
+//     shape for the agreement), then takes every pointer it will use from that table and sizes
+//     its buffers. Every tensor_traits call (one read of each gradient; a second only where a
+//     gradient is missing on some towers) and every allocation of the call happens here.
 //   - Collective 1 (two integers, on the stack): the lowest rank whose local phase threw; that
 //     rank rethrows its own exception (a gradavg::error, std::bad_alloc, or user code's own),
 //     every other rank throws remote_error naming it. Nothing written anywhere. The second

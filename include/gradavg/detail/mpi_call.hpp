@@ -148,13 +148,28 @@ struct call : data_path<TG, Means, Squares, S, O> {
         opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
   }
 
-  /// This rank's per-variable words (presence state, identity and shape fingerprints, each with
-  /// its complement for the minimum) in work.words after the headers. Returns whether any
-  /// gradient is present.
+  /// Variable i's words in work.words after the headers: its presence state over this rank's
+  /// towers, fingerprints of its identity (tower 0's variable) and of its shape (dims: of its
+  /// present gradients; null when none), each with its complement for the minimum.
+  template <class V>
+  void put_variable_words(std::size_t i, std::uint64_t state, const V& variable, const shape* dims) noexcept {
+    std::uint64_t* w = work.words.data() + ranks * header_words + i * variable_words;
+    const std::uint64_t id = identity_fingerprint(variable);
+    const std::uint64_t sh = dims != nullptr ? shape_fingerprint(*dims) : 0;
+    w[v_state] = state;
+    w[v_state_min] = ~state;
+    w[v_identity] = id;
+    w[v_identity_min] = id == 0 ? 0 : ~id;
+    w[v_shape] = sh;
+    w[v_shape_min] = sh == 0 ? 0 : ~sh;
+  }
+
+  /// Every variable's words read from the towers, for a call whose checks stopped at a gradient
+  /// missing on some towers (validate_into fills them otherwise). Returns whether any gradient is
+  /// present.
   bool fill_variable_words() {
-    std::uint64_t* w = work.words.data() + ranks * header_words;
     bool any_present = false;
-    for (std::size_t i = 0; i < variables; ++i, w += variable_words) {
+    for (std::size_t i = 0; i < variables; ++i) {
       std::size_t present = 0;
       shape s{};
       for (std::size_t k = 0; k < towers; ++k) {
@@ -163,16 +178,10 @@ struct call : data_path<TG, Means, Squares, S, O> {
       }
       any_present = any_present || present != 0;
       const std::uint64_t state = present == 0 ? absent_everywhere : present == towers ? present_everywhere : partial;
-      const std::uint64_t id = gradavg::detail::with_entry(tg, 0, i, [](const auto& e) {
-        return identity_fingerprint(gradavg::entry_traits<std::remove_cvref_t<decltype(e)>>::variable(e));
+      gradavg::detail::with_entry(tg, 0, i, [&](const auto& e) {
+        put_variable_words(i, state, gradavg::entry_traits<std::remove_cvref_t<decltype(e)>>::variable(e),
+                           present != 0 ? &s : nullptr);
       });
-      const std::uint64_t sh = present ? shape_fingerprint(s) : 0;
-      w[v_state] = state;
-      w[v_state_min] = ~state;
-      w[v_identity] = id;
-      w[v_identity_min] = id == 0 ? 0 : ~id;
-      w[v_shape] = sh;
-      w[v_shape_min] = sh == 0 ? 0 : ~sh;
     }
     return any_present;
   }
@@ -210,8 +219,13 @@ struct call : data_path<TG, Means, Squares, S, O> {
         bool proved = true;
         gradavg::detail::validated v;
         gradavg::detail::check_scratch scratch;  // holds the layout until prepare() has read it
+        bool any_present = false;
+        auto seen = [&](std::size_t i, const auto& variable, const shape* dims) {
+          put_variable_words(i, dims != nullptr ? present_everywhere : absent_everywhere, variable, dims);
+          any_present = any_present || dims != nullptr;
+        };
         try {
-          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof);
+          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof, seen);
         } catch (const missing_gradient_error&) {
           // Decided with every rank's presence below (the same error on every rank).
           proved = false;
@@ -222,7 +236,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
                                             opts.check.aliasing);
           gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
         }
-        const bool any_present = fill_variable_words();
+        if (!proved) any_present = fill_variable_words();
         // A rank that reads no gradient moves no data: its element types (run-time ones are only
         // known from a gradient) are not compared; the presence check decides.
         if (!any_present) header[h_types] = 0;

@@ -57,12 +57,19 @@ struct variable_walk {
   std::optional<std::pair<tagged_range, tagged_range>> own_overlap;  // alias_check::same_variable
 };
 
+/// validate_into's default for what it tells of each variable that passed its checks: nothing.
+struct ignore_variables {
+  template <class V>
+  void operator()(std::size_t, const V&, const shape*) const noexcept {}
+};
+
 /// Variable i's checks (towers' variables, presence, shapes, contiguity; its outputs' reads; with
 /// alias_check::same_variable its own overlaps), its ranges appended to layout. Throws the
-/// variable's error; output problems and overlaps are only recorded in walk.
-template <class S, class O, class TG, class Means, class Squares>
+/// variable's error; output problems and overlaps are only recorded in walk. Once its gradients
+/// pass: seen(i, tower 0's variable, their shape, or null when absent on every tower).
+template <class S, class O, class TG, class Means, class Squares, class Seen>
 void check_variable(const TG& tg, Means& means, Squares* squares, const options& opts, std::size_t i,
-                    layout_writer& layout, variable_walk& walk) {
+                    layout_writer& layout, variable_walk& walk, Seen& seen) {
   using V = variable_t<TG>;
   using E = entry_t<TG>;
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
@@ -122,6 +129,7 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
     if constexpr (with_squares) layout.put(q_bytes);
     if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
       own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
+    seen(i, v0, g0.present ? &g0.dims : nullptr);
     ++(g0.present ? walk.result.averaged : walk.result.skipped);
     walk.result.elements += elements;
   });
@@ -155,11 +163,12 @@ void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, c
 /// holds the layout when no proof is given (layout_slots); proof: a plan's, which
 /// keeps the layout (and proved, for the full check) when every check passes.
 /// S and O: the element types the gradients are read as and the outputs written as (the traits'
-/// value_type, or the run-time type validate_elements found).
+/// value_type, or the run-time type validate_elements found). seen: told of each variable whose
+/// gradients passed (check_variable), for a caller that needs their presence and shape too.
 template <class TG, class Means, class Squares, class S = default_value_t<gradient_tensor_t<TG>>,
-          class O = default_value_t<output_tensor_t<Means&>>>
+          class O = default_value_t<output_tensor_t<Means&>>, class Seen = ignore_variables>
 validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch,
-                        layout_proof* proof = nullptr) {
+                        layout_proof* proof = nullptr, Seen seen = {}) {
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
@@ -177,7 +186,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   variable_walk walk;
   walk.result.variables = variable_count;
   for (std::size_t i = 0; i < variable_count; ++i)
-    check_variable<S, O>(tg, means, squares, opts, i, layout, walk);
+    check_variable<S, O>(tg, means, squares, opts, i, layout, walk, seen);
 
   if (walk.output_problem) {
     validate_all_outputs(tg, means, squares, variable_count);
