@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "counted_tensor.hpp"
 #include "reference.hpp"
 
 namespace user {
@@ -25,26 +26,7 @@ struct maybe_tensor {
   bool defined = true;
 };
 
-/// A vector that counts how often its shape is read, when `reads` is set.
-struct counted_vector {
-  std::vector<float> values;
-  std::size_t* reads = nullptr;
-};
-
 }  // namespace user
-
-template <>
-struct gradavg::tensor_traits<user::counted_vector> {
-  using value_type = float;
-  using result_type = user::counted_vector;
-  static const float* data(const user::counted_vector& t) noexcept { return t.values.data(); }
-  static float* mutable_data(user::counted_vector& t) noexcept { return t.values.data(); }
-  static gradavg::shape shape(const user::counted_vector& t) noexcept {
-    if (t.reads != nullptr) ++*t.reads;
-    return gradavg::shape::vector(t.values.size());
-  }
-  static user::counted_vector make(const gradavg::shape& s) { return {std::vector<float>(s.size()), nullptr}; }
-};
 
 template <>
 struct gradavg::tensor_traits<user::maybe_tensor> {
@@ -115,8 +97,8 @@ TEST_CASE("a user tensor type works with both APIs") {
 TEST_CASE("the allocating call reads each gradient's shape once to check it, and tower 0's again to make results") {
   const std::size_t towers = 4, variables = 6;
   std::size_t reads = 0;
-  std::vector<std::vector<user::counted_vector>> grads(towers);
-  std::vector<std::vector<std::pair<const user::counted_vector*, std::size_t>>> tg(towers);
+  std::vector<std::vector<gradavg_test::counted_vector>> grads(towers);
+  std::vector<std::vector<std::pair<const gradavg_test::counted_vector*, std::size_t>>> tg(towers);
   for (std::size_t k = 0; k < towers; ++k)
     for (std::size_t i = 0; i < variables; ++i)
       grads[k].push_back({gradavg_test::random_values<float>(3 + i, static_cast<std::uint32_t>(10 * k + i)), &reads});

@@ -25,30 +25,11 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "counted_tensor.hpp"
 #include "mpi_support.hpp"
 #include "reference.hpp"
 #include "support.hpp"
 #include "x87_check.hpp"
-
-namespace counted {
-
-/// A vector that counts how often its shape is read.
-struct vec {
-  std::vector<float> values;
-  std::size_t* reads = nullptr;
-};
-
-}  // namespace counted
-
-template <>
-struct gradavg::tensor_traits<counted::vec> {
-  using value_type = float;
-  static const float* data(const counted::vec& t) noexcept { return t.values.data(); }
-  static gradavg::shape shape(const counted::vec& t) noexcept {
-    ++*t.reads;
-    return gradavg::shape::vector(t.values.size());
-  }
-};
 
 namespace {
 
@@ -705,8 +686,8 @@ TEST_CASE("one read of each gradient per call: its checks give the agreement its
   const std::size_t towers = 3, variables = 5, n = 7;
   const auto rank = static_cast<std::size_t>(world_rank()), ranks = static_cast<std::size_t>(world_size());
   std::size_t reads = 0;
-  std::vector<std::vector<counted::vec>> grads(towers);
-  std::vector<std::vector<std::pair<const counted::vec*, std::string>>> tg(towers);
+  std::vector<std::vector<gradavg_test::counted_vector>> grads(towers);
+  std::vector<std::vector<std::pair<const gradavg_test::counted_vector*, std::string>>> tg(towers);
   for (std::size_t k = 0; k < towers; ++k)
     for (std::size_t i = 0; i < variables; ++i)
       grads[k].push_back({std::vector<float>(n, static_cast<float>(rank * towers + k + i)), &reads});
