@@ -127,7 +127,8 @@ TEST_CASE("several defects: both APIs report the first variable's, gradients bef
   f.data[2][2].resize(7);        // variable 2: a shape on tower 2
   f.tg[0][1].first = nullptr;    // variable 1: missing on tower 0 only
   f.tg[0][0].second = "other";   // variable 0: tower 0's variable differs from the others'
-  const gradavg::options two_weights{.compute = {.weights = std::vector<double>{1, 2}}};
+  const std::vector<double> weights{1, 2};
+  const gradavg::options two_weights{.compute = {.weights = weights}};
   CHECK(contains(f.both_throw<gradavg::variable_mismatch_error>(two_weights), "variable #0"));
   f.tg[0][0].second = "w1";
   const auto missing = f.both_throw<gradavg::missing_gradient_error>(two_weights);
