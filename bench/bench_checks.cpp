@@ -7,6 +7,10 @@
 //   (<contender>.vs.bare):
 //     bare          a fused loop over the same elements (sum and sum of squares per element,
 //                   towers unrolled), no checks: the floor
+//     bare_checked  the least a step that checks before it writes must do: every entry's pointer
+//                   and size, and every output's, compared with a compact copy of the first
+//                   call's (one pointer per buffer, one size per variable), then the bare loop
+//                   over the copy's pointers. What any plan costs at least, in this layout
 //     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
 //                   contiguity compared with the proof of the first call, nothing else checked
 //     plan_fused    the same with the fused step's non-finite report and statistics (the bare
@@ -32,6 +36,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,6 +69,39 @@ template <std::size_t N>
 void bare_loop(const std::vector<std::vector<const float*>>& g, const std::vector<float*>& m,
                const std::vector<float*>& q) {
   for (std::size_t i = 0; i < m.size(); ++i) bare_variable<N>(g[i][0], g[i][1], g[i][2], g[i][3], m[i], q[i]);
+}
+
+/// What a checked step keeps of the first call: per variable, its 4 gradients' pointers, its
+/// outputs' pointers (in that order) and its element count.
+struct compact_layout {
+  std::vector<const float*> pointers;  // [i * 6 + slot]
+  std::vector<std::size_t> sizes;      // [i]
+};
+
+/// Whether every buffer of this step is the one kept (pointer and size), read once each.
+bool matches_compact(const compact_layout& kept, const towers_t& tg,
+                     const std::vector<std::span<float>>& m, const std::vector<std::span<float>>& q) {
+  const std::size_t variables = kept.sizes.size();
+  if (m.size() != variables || q.size() != variables) return false;
+  for (const auto& tower : tg)
+    if (tower.size() != variables) return false;
+  bool same = true;
+  for (std::size_t i = 0; i < variables; ++i) {
+    const std::size_t size = kept.sizes[i];
+    const float* const* p = kept.pointers.data() + i * 6;
+    for (std::size_t k = 0; k < 4; ++k)
+      same &= tg[k][i].first.data() == p[k] && tg[k][i].first.size() == size && tg[k][i].second == static_cast<int>(i);
+    same &= m[i].data() == p[4] && m[i].size() == size && q[i].data() == p[5] && q[i].size() == size;
+  }
+  return same;
+}
+
+/// The bare loop over a compact layout's pointers.
+template <std::size_t N>
+void bare_compact(const compact_layout& kept) {
+  const float* const* p = kept.pointers.data();
+  for (std::size_t i = 0; i < kept.sizes.size(); ++i, p += 6)
+    bare_variable<N>(p[0], p[1], p[2], p[3], const_cast<float*>(p[4]), const_cast<float*>(p[5]));
 }
 
 struct small_model {
@@ -110,10 +148,24 @@ void BM_small(benchmark::State& state) {
     std::vector<double> us;
   };
   std::vector<contender> cs;
-  if (n == 64)
+  compact_layout kept;
+  for (std::size_t i = 0; i < V; ++i) {
+    for (std::size_t k = 0; k < T; ++k) kept.pointers.push_back(s.tg[k][i].first.data());
+    kept.pointers.push_back(s.mean_ptrs[i]);
+    kept.pointers.push_back(s.square_ptrs[i]);
+    kept.sizes.push_back(n);
+  }
+  const auto checked = [&]<std::size_t N>() {
+    if (!matches_compact(kept, s.tg, s.mean_spans, s.square_spans)) throw std::logic_error("layout changed");
+    bare_compact<N>(kept);
+  };
+  if (n == 64) {
     cs.push_back({"bare", [&] { bare_loop<64>(s.by_variable, s.mean_ptrs, s.square_ptrs); }, {}});
-  else
+    cs.push_back({"bare_checked", [&] { checked.template operator()<64>(); }, {}});
+  } else {
     cs.push_back({"bare", [&] { bare_loop<1024>(s.by_variable, s.mean_ptrs, s.square_ptrs); }, {}});
+    cs.push_back({"bare_checked", [&] { checked.template operator()<1024>(); }, {}});
+  }
 #if __has_include(<gradavg/plan.hpp>)
   gradavg::plan plan;
   cs.push_back({"plan", [&] { gradavg::average_gradients_into(plan, s.tg, s.mean_spans, s.square_spans); }, {}});
