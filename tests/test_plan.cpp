@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <span>
 #include <string>
 #include <utility>
@@ -221,6 +222,71 @@ TEST_CASE("a changed buffer meets every check with a plan, nothing is written, a
   gradavg::average_gradients_into(step, v.tg, v.means);
   CHECK(step.ready());
   CHECK(v.ma == std::vector<float>(8, 2.0f));
+}
+
+namespace {
+
+/// Steps of a plan over T towers of three variables held in Tower (a range of span entries):
+/// the proof is reused over unchanged buffers, a gradient moved on the last tower or an output
+/// moved onto a gradient is noticed, and every step's means and squares match the reference.
+template <class Tower>
+void plan_over_towers(std::size_t towers) {
+  const std::vector<std::size_t> sizes{5, 64, 1};
+  std::vector<std::vector<std::vector<float>>> data(towers);
+  std::vector<Tower> tg(towers);
+  for (std::size_t k = 0; k < towers; ++k)
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      data[k].push_back(gradavg_test::random_values<float>(sizes[i], static_cast<std::uint32_t>(100 * k + i + 1)));
+      tg[k].push_back({std::span<const float>(data[k][i]), static_cast<int>(i)});
+    }
+  std::vector<std::vector<float>> m, q;
+  for (std::size_t n : sizes) {
+    m.emplace_back(n, -1.0f);
+    q.emplace_back(n, -1.0f);
+  }
+  std::vector<std::span<float>> means(m.begin(), m.end()), squares(q.begin(), q.end());
+  const auto check = [&] {
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      INFO("variable " << i);
+      std::vector<const float*> ptrs;
+      for (std::size_t k = 0; k < towers; ++k) ptrs.push_back(tg[k][i].first.data());
+      const gradavg_test::reference<float> want(ptrs, sizes[i]);
+      CHECK(gradavg_test::first_mismatch(m[i].data(), want.mean, gradavg_test::magnitude(ptrs, sizes[i], false),
+                                         towers) == sizes[i]);
+      CHECK(gradavg_test::first_mismatch(q[i].data(), want.square, gradavg_test::magnitude(ptrs, sizes[i], true),
+                                         towers) == sizes[i]);
+    }
+  };
+  gradavg::plan step;
+  for (int s = 0; s < 3; ++s) {
+    gradavg::average_gradients_into(step, tg, means, squares);
+    check();
+  }
+  CHECK(step.proofs() == 1);
+
+  std::vector<float> moved = gradavg_test::random_values<float>(64, 999u);
+  tg[towers - 1][1].first = std::span<const float>(moved);
+  gradavg::average_gradients_into(step, tg, means, squares);
+  CHECK(step.proofs() == 2);
+  check();
+
+  squares[2] = std::span<float>(data[0][2]);
+  m[0].assign(5, -1.0f);
+  CHECK_THROWS_AS(gradavg::average_gradients_into(step, tg, means, squares), gradavg::aliasing_error);
+  CHECK(m[0] == std::vector<float>(5, -1.0f));
+  CHECK_FALSE(step.ready());
+}
+
+}  // namespace
+
+TEST_CASE("a plan checks each buffer whatever range holds the towers") {
+  using span_entry = std::pair<std::span<const float>, int>;
+  SECTION("contiguous towers, 2 and 16") {
+    plan_over_towers<std::vector<span_entry>>(2);
+    plan_over_towers<std::vector<span_entry>>(16);
+  }
+  SECTION("contiguous towers, more than 16") { plan_over_towers<std::vector<span_entry>>(17); }
+  SECTION("towers that are not contiguous") { plan_over_towers<std::deque<span_entry>>(3); }
 }
 
 TEST_CASE("a plan compares presence, not only bytes: an absent gradient and an empty one differ") {

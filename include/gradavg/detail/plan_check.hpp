@@ -44,6 +44,28 @@ GRADAVG_HOT_ bool output_matches(Slot&& s, const byte_range& expected) {
   return is_contiguous(t) && bytes_of(typed_mutable_data<O>(t), tensor_traits<T>::shape(t).size()) == expected;
 }
 
+/// Whether gradient slot e of a variable present (expected) or absent in the proof is so in this
+/// call, and when present, contiguous, of type S, at the proved bytes.
+template <class S, class E>
+GRADAVG_HOT_ bool gradient_matches(const E& e, bool expected, const byte_range& proved) {
+  using G = slot_tensor_t<std::remove_cvref_t<decltype(entry_traits<E>::gradient(e))>>;
+  auto&& s = entry_traits<E>::gradient(e);
+  if (!slot_present(s)) return !expected;
+  if (!expected) return false;
+  const G& g = slot_get(s);
+  if constexpr (dynamic_tensor<G>) {
+    if (tensor_traits<G>::element(g) != element_of_type<S>()) return false;
+  }
+  return is_contiguous(g) && bytes_of(typed_data<S>(g), tensor_traits<G>::shape(g).size()) == proved;
+}
+
+/// Towers that matches_plan reads through their first entries' addresses, taken once per call:
+/// contiguous ranges yielded by reference, at most this many.
+inline constexpr std::size_t towers_read_directly = 16;
+template <class TG>
+inline constexpr bool towers_contiguous = std::is_lvalue_reference_v<tower_ref_t<TG>> &&
+                                          std::ranges::contiguous_range<std::remove_reference_t<tower_ref_t<TG>>>;
+
 /// Whether every buffer of this call is one p proved for the same signature, towers, variables,
 /// squares, element types S / O and at least options.check.aliasing's overlap check: each gradient
 /// present exactly where it was, and every present gradient and output of an averaged variable
@@ -53,7 +75,6 @@ template <class S, class O, class TG, class Means, class Squares>
 bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Squares* squares, const options& opts) {
   using A = plan_access;
   using E = entry_t<TG>;
-  using G = gradient_tensor_t<TG>;
   constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
   const std::size_t towers = std::ranges::size(tg);
   const std::size_t variables = A::variables(p);
@@ -69,34 +90,40 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
     if (std::ranges::size(at(tg, k)) != variables) return false;
 
   const std::size_t stride = towers + (with_squares ? 2 : 1);
-  const byte_range* slots = A::proof(p).layout.data();
   const unsigned char* present = A::present(p).data();
-  try {
+  // Every variable's buffers against its row of the proof; entry_matches(k, i, expected, proved)
+  // compares tower k's entry i.
+  const auto all_match = [&](auto&& entry_matches) {
+    const byte_range* slots = A::proof(p).layout.data();
     for (std::size_t i = 0; i < variables; ++i, slots += stride) {
       const bool expected = present[i] != 0;
-      for (std::size_t k = 0; k < towers; ++k) {
-        const bool same = with_entry(tg, k, i, [&](const E& e) {
-          auto&& s = entry_traits<E>::gradient(e);
-          if (!slot_present(s)) return !expected;
-          if (!expected) return false;
-          const G& g = slot_get(s);
-          if constexpr (dynamic_tensor<G>) {
-            if (tensor_traits<G>::element(g) != element_of_type<S>()) return false;
-          }
-          return is_contiguous(g) && bytes_of(typed_data<S>(g), tensor_traits<G>::shape(g).size()) == slots[k];
-        });
-        if (!same) return false;
-      }
+      for (std::size_t k = 0; k < towers; ++k)
+        if (!entry_matches(k, i, expected, slots[k])) return false;
       if (!expected) continue;
       if (!output_matches<O>(at(means, i), slots[towers])) return false;
       if constexpr (with_squares) {
         if (!output_matches<O>(at(*squares, i), slots[towers + 1])) return false;
       }
     }
+    return true;
+  };
+  try {
+    if constexpr (towers_contiguous<TG>) {
+      // The towers' first entries held in registers or the stack, not reloaded per entry.
+      if (towers <= towers_read_directly) {
+        const E* first[towers_read_directly];
+        for (std::size_t k = 0; k < towers; ++k) first[k] = std::ranges::data(at(tg, k));
+        return all_match([&](std::size_t k, std::size_t i, bool expected, const byte_range& proved) {
+          return gradient_matches<S>(first[k][i], expected, proved);
+        });
+      }
+    }
+    return all_match([&](std::size_t k, std::size_t i, bool expected, const byte_range& proved) {
+      return with_entry(tg, k, i, [&](const E& e) { return gradient_matches<S>(e, expected, proved); });
+    });
   } catch (...) {
     return false;
   }
-  return true;
 }
 
 /// Keeps in p what a call's full checks proved (the proof from proving_into): v, whose layout,
