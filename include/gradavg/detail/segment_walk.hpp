@@ -131,14 +131,22 @@ struct segment_walk {
     const std::size_t first = range_begin + first_segment * segment;
     std::size_t i = 0, offset = 0;  // variable i begins at flat index offset
     while (i < variables && offset + size_of(i) <= first) offset += size_of(i++);
-    for (std::size_t s = first_segment; s < last_segment; ++s) {
+    // Unfused, nothing depends on where a segment ends: the chunk's segments are walked as one.
+    const std::size_t step = fused ? 1 : last_segment - first_segment;
+    for (std::size_t s = first_segment; s < last_segment; s += step) {
       const std::size_t seg_begin = range_begin + s * segment;
-      const std::size_t seg_end = std::min(range_end, seg_begin + segment);
+      const std::size_t seg_end = std::min(range_end, seg_begin + step * segment);
       segment_record& record = records[s];  // written by the chunk that runs s only
       if (fused) record = {segment_record::none, false, {}, segment_record::none, {}, {}, 0};
       while (i < variables && offset < seg_end) {
         if (!fused && offset >= seg_begin) {
           // The segment's whole variables from i on: one kernel call for all of them.
+          if (seg_end == table.total) {  // every variable left ends in this segment
+            reduce_variables<S, Acc, O>(table.layout, table.stride, i, variables, towers, with_squares, stream,
+                                        prefetch, divisor);
+            i = variables;
+            break;
+          }
           const std::size_t whole_first = i;
           while (i < variables && offset + size_of(i) <= seg_end) offset += size_of(i++);
           if (i != whole_first) {
