@@ -7,10 +7,11 @@
 //   (<contender>.vs.bare):
 //     bare          a fused loop over the same elements (sum and sum of squares per element,
 //                   towers unrolled), no checks: the floor
-//     bare_checked  the least a step that checks before it writes must do: every entry's pointer
-//                   and size, and every output's, compared with a compact copy of the first
-//                   call's (one pointer per buffer, one size per variable), then the bare loop
-//                   over the copy's pointers. What any plan costs at least, in this layout
+//     bare_checked  the least a step that checks before it writes must do: every entry's pointer,
+//                   size and variable, and every output's pointer and size, compared with a
+//                   compact copy of the first call's (one pointer per buffer, one size per
+//                   variable), then the bare loop over the copy's pointers. What any plan
+//                   costs at least, in this layout
 //     plan          gradavg with a gradavg::plan: each buffer's presence, pointer, size and
 //                   contiguity compared with the proof of the first call, nothing else checked
 //     plan_fused    the same with the fused step's non-finite report and statistics (the bare
@@ -78,7 +79,8 @@ struct compact_layout {
   std::vector<std::size_t> sizes;      // [i]
 };
 
-/// Whether every buffer of this step is the one kept (pointer and size), read once each.
+/// Whether every buffer of this step is the one kept (pointer and size; an entry's variable too),
+/// read once each.
 bool matches_compact(const compact_layout& kept, const towers_t& tg,
                      const std::vector<std::span<float>>& m, const std::vector<std::span<float>>& q) {
   const std::size_t variables = kept.sizes.size();
