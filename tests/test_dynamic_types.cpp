@@ -4,6 +4,7 @@
 #include <gradavg/gradavg.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -97,6 +98,31 @@ struct gradavg::tensor_traits<user::any_tensor> {
     t.dims.assign(s.dims.begin(), s.dims.begin() + static_cast<std::ptrdiff_t>(s.rank));
     t.storage.resize(s.size() + 1);
     return t;
+  }
+};
+
+namespace user {
+
+/// A run-time typed view of caller-owned memory: buffers of one call may lie next to each other.
+struct typed_view {
+  void* data;
+  gradavg::element_type dtype;
+  std::int64_t size;
+};
+
+}  // namespace user
+
+template <>
+struct gradavg::tensor_traits<user::typed_view> {
+  using T = user::typed_view;
+  using value_type = gradavg::dynamic_element;
+  using result_type = user::any_tensor;
+  static gradavg::element_type element(const T& t) { return t.dtype; }
+  static const void* data(const T& t) { return t.data; }
+  static void* mutable_data(T& t) { return t.data; }
+  static gradavg::shape shape(const T& t) { return gradavg::shape::from_dims(std::vector<std::int64_t>{t.size}); }
+  static result_type make(const gradavg::shape& s, gradavg::element_type e) {
+    return gradavg::tensor_traits<user::any_tensor>::make(s, e);
   }
 };
 
@@ -424,4 +450,33 @@ TEST_CASE("a gradavg::error of any type from a tensor_traits function keeps its 
   CHECK(e.variable_index() == 0);
   CHECK(std::string(e.what()) == "variable #0 'v0': gradient on tower 1: an adapter's error of a derived type");
   CHECK(storage_unchanged<float>(means, before));
+}
+
+TEST_CASE("a plan re-proves the overlaps when the same buffers hold wider elements") {
+  // Two float16 gradients of 4 elements on 2 towers; the means outputs of the 2 variables lie
+  // next to each other in one buffer: 8 bytes apart, disjoint as float16, overlapping as float32.
+  using half = Eigen::half;
+  std::vector<half> g{half(1), half(2), half(3), half(4), half(3), half(4), half(5), half(6)};
+  alignas(16) std::array<unsigned char, 24> room{};
+  const auto view = [](void* p, gradavg::element_type e) { return user::typed_view{p, e, 4}; };
+  const gradavg::element_type f16 = gradavg::element_type::float16, f32 = gradavg::element_type::float32;
+  std::vector<std::vector<std::pair<user::typed_view, int>>> tg{{{view(&g[0], f16), 0}, {view(&g[4], f16), 1}},
+                                                                {{view(&g[4], f16), 0}, {view(&g[0], f16), 1}}};
+  std::vector<user::typed_view> means{view(room.data(), f16), view(room.data() + 8, f16)};
+  gradavg::plan step;
+  for (int s = 0; s < 2; ++s) {
+    room.fill(0);
+    gradavg::average_gradients_into(step, tg, means);
+    const half* m = reinterpret_cast<const half*>(room.data());
+    for (std::size_t j = 0; j < 8; ++j) CHECK(static_cast<float>(m[j]) == static_cast<float>(j % 4) + 2.0f);
+  }
+  CHECK(step.proofs() == 1);
+  // The same first bytes and element counts, read as float32 outputs: 16 bytes each.
+  means = {view(room.data(), f32), view(room.data() + 8, f32)};
+  const auto before = room;
+  const auto e = gradavg_test::exception_of<gradavg::aliasing_error>(
+      [&] { gradavg::average_gradients_into(step, tg, means); });
+  CHECK(gradavg_test::contains(e.what(), "variable #0 '0': the means output overlaps the means output of variable #1"));
+  CHECK(room == before);
+  CHECK_FALSE(step.ready());
 }

@@ -66,7 +66,7 @@ class plan {
  private:
   friend struct shared_detail::plan_access;
 
-  shared_detail::layout_proof proof_;  // the proved byte ranges, tower count and squares
+  shared_detail::layout_proof proof_;  // the proved table of buffers, tower count and squares
   std::vector<unsigned char> present_;  // per variable: whether its gradients are present
   const void* signature_ = nullptr;
   std::size_t variables_ = 0;

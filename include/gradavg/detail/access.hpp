@@ -30,6 +30,7 @@ namespace detail {
 
 // Shared by every level (layout_proof.hpp).
 using gradavg::shared_detail::byte_range;
+using gradavg::shared_detail::buffer_table;
 using gradavg::shared_detail::layout_proof;
 using gradavg::shared_detail::tagged_range;
 

@@ -66,7 +66,7 @@ summary average_planned(plan& p, bool with_squares, const options& opts) {
     A::ready(p) = false;  // a failed call empties the plan
     throw;
   }
-  return average_layout<S, O>(A::proof(p).layout.data(), A::variables(p), A::towers(p),
+  return average_layout<S, O>(A::proof(p).table(), A::variables(p), A::towers(p),
                               with_squares, A::elements(p), A::averaged(p), A::skipped(p), opts);
 }
 

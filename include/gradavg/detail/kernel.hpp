@@ -397,16 +397,16 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
 }
 
 /// Whole variables [first, last) of table, plain pass, each as reduce_range over all its
-/// elements, with one dispatch for all of them: variable i's gradient on tower k is the range
-/// table[i * stride + k] (empty: the variable is skipped), its means output begins at
-/// table[i * stride + T] and, with_squares, its squares output at table[i * stride + T + 1].
+/// elements, with one dispatch for all of them: variable i's gradient on tower k begins at
+/// table.row(i)[k], its means output at row(i)[T] and, with_squares, its squares output at
+/// row(i)[T + 1], each of table.elements[i] elements (0: the variable is skipped).
 template <class S, class Acc, class O>
-void reduce_variables(const shared_detail::byte_range* table, std::size_t stride, std::size_t first, std::size_t last,
+void reduce_variables(const shared_detail::buffer_table& table, std::size_t first, std::size_t last,
                       std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor) {
   if (first >= last) return;
   GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
-                    reduce_variables<S, Acc, O>(table, stride, first, last, tower_count, with_squares, streaming,
-                                                prefetch, divisor));
+                    reduce_variables<S, Acc, O>(table, first, last, tower_count, with_squares, streaming, prefetch,
+                                                divisor));
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, with

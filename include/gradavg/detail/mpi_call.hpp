@@ -211,7 +211,8 @@ struct call : data_path<TG, Means, Squares, S, O> {
         if (plan_state != 0) {
           gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
           restore_own_words();
-          prepare(gradavg::detail::plan_access::proof(*planned).layout.data());
+          const auto proved_table = gradavg::detail::plan_access::proof(*planned).table();
+          prepare(&proved_table);
           return failure;
         }
         gradavg::detail::layout_proof* const proof =
@@ -240,7 +241,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
         // A rank that reads no gradient moves no data: its element types (run-time ones are only
         // known from a gradient) are not compared; the presence check decides.
         if (!any_present) header[h_types] = 0;
-        prepare(proved ? v.layout : nullptr);
+        prepare(proved ? &v.layout : nullptr);
       } catch (const error& e) {
         failure = std::current_exception();
         *failed_variable = e.variable_index();

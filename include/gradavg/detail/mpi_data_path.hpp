@@ -86,21 +86,17 @@ struct data_path {
   /// a gradient missing on some of this rank's towers, so agreement fails; the tables are sized,
   /// and empty. Every allocation of the call after validation happens here, before the first
   /// collective, so that a failure here reaches every rank through it.
-  void prepare(const gradavg::shared_detail::byte_range* layout) {
+  void prepare(const gradavg::shared_detail::buffer_table* layout) {
     work.towers.resize(variables * towers);
     work.outputs.resize(2 * variables);
     work.sums.resize(3 * variables);
     sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
     total = 0;
-    const std::size_t stride = towers + (with_squares ? 2 : 1);
     for (std::size_t i = 0; i < variables; ++i) {
-      const gradavg::shared_detail::byte_range* row = layout != nullptr ? layout + i * stride : nullptr;
-      const std::size_t size =
-          row != nullptr && towers != 0 ? gradavg::shared_detail::elements_in<S>(row[0]) : 0;
-      for (std::size_t k = 0; k < towers; ++k) work.towers[i * towers + k] = size != 0 ? row[k].first : nullptr;
-      work.outputs[2 * i] = size != 0 ? gradavg::shared_detail::output_start<std::byte>(row[towers]) : nullptr;
-      work.outputs[2 * i + 1] =
-          size != 0 && with_squares ? gradavg::shared_detail::output_start<std::byte>(row[towers + 1]) : nullptr;
+      const std::size_t size = layout != nullptr && towers != 0 ? layout->elements[i] : 0;
+      for (std::size_t k = 0; k < towers; ++k) work.towers[i * towers + k] = size != 0 ? layout->row(i)[k] : nullptr;
+      work.outputs[2 * i] = size != 0 ? layout->buffer<std::byte>(i, towers) : nullptr;
+      work.outputs[2 * i + 1] = size != 0 && with_squares ? layout->buffer<std::byte>(i, towers + 1) : nullptr;
       sizes[2 * i] = size;
       sizes[2 * i + 1] = total;
       total += size;

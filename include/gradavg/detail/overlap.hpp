@@ -93,39 +93,53 @@ void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagge
   }
 }
 
-/// Where the single pass puts every buffer's bytes, in the order of layout_proof: for each
-/// variable its gradient on every tower, its means, its squares (when passed). Empty ranges
-/// stand for absent gradients and for the outputs of skipped variables.
+/// Where the single pass puts every buffer's first byte, in the order of layout_proof (for each
+/// variable its gradient on every tower, its means, its squares when passed), and each variable's
+/// element count: a buffer_table. Null first bytes stand for absent gradients and for the outputs
+/// of skipped variables.
 struct layout_writer {
-  byte_range* slots = nullptr;
-  std::size_t count = 0;
-  bool same = false;  // every range equals the one already there
+  const std::byte** firsts = nullptr;
+  std::size_t* elements = nullptr;
+  std::size_t count = 0;  // first bytes put
+  std::size_t variables = 0;  // element counts put
+  bool same = false;  // everything put equals what was already there
 
-  void put(const byte_range& r) noexcept {
-    if (same && slots[count] == r) {  // a repeated layout is only read, not written again
+  void put(const std::byte* first) noexcept {
+    if (same && firsts[count] == first) {  // a repeated layout is only read, not written again
       ++count;
       return;
     }
-    same = false;  // from here on the old ranges are not read (uninitialised in stack scratch)
-    slots[count++] = r;
+    same = false;  // from here on the old table is not read (uninitialised in stack scratch)
+    firsts[count++] = first;
   }
+  void put_elements(std::size_t n) noexcept {
+    if (same && elements[variables] == n) {
+      ++variables;
+      return;
+    }
+    same = false;
+    elements[variables++] = n;
+  }
+  [[nodiscard]] buffer_table table(std::size_t stride) const noexcept { return {firsts, elements, stride}; }
 };
 
-/// The ranges the sweep must see, from a layout: the non-empty ones. A means output in place
-/// into tower 0's gradient stands for both (one range, an output), so it may overlap nothing else
-/// — not even the same variable's gradient on another tower.
-inline std::size_t tag_ranges(const byte_range* layout, std::size_t variable_count, std::size_t tower_count,
-                              bool with_squares, tagged_range* out) {
-  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
+/// The ranges the sweep must see, from a table whose gradients hold gradient_size bytes per
+/// element and outputs output_size: the non-empty ones. A means output in place into tower 0's
+/// gradient (the same bytes) stands for both (one range, an output), so it may overlap nothing
+/// else — not even the same variable's gradient on another tower.
+inline std::size_t tag_ranges(const buffer_table& table, std::size_t variable_count, std::size_t tower_count,
+                              std::size_t gradient_size, std::size_t output_size, tagged_range* out) {
   std::size_t n = 0;
   for (std::size_t i = 0; i < variable_count; ++i) {
-    const byte_range* v = layout + i * stride;
-    const bool in_place = !v[0].empty() && v[tower_count] == v[0];
-    for (std::size_t k = in_place ? 1 : 0; k < stride; ++k) {
-      if (v[k].empty()) continue;
+    const std::size_t elements = table.elements[i];
+    if (elements == 0) continue;
+    const std::byte* const* v = table.row(i);
+    const bool in_place = v[tower_count] == v[0] && gradient_size == output_size;
+    for (std::size_t k = in_place ? 1 : 0; k < table.stride; ++k) {
+      const std::size_t bytes = elements * (k < tower_count ? gradient_size : output_size);
       const auto kind =
           k < tower_count ? tagged_range::gradient : k == tower_count ? tagged_range::means : tagged_range::squares;
-      out[n++] = tagged_range{v[k], i, k < tower_count ? k : 0, kind};
+      out[n++] = tagged_range{byte_range{v[k], v[k] + bytes}, i, k < tower_count ? k : 0, kind};
     }
   }
   return n;
@@ -137,10 +151,11 @@ inline constexpr std::size_t stack_ranges = 256;
 /// Scratch memory of one call without a plan: on the stack (left uninitialised, so it
 /// costs nothing to declare) unless the layout is larger than stack_ranges.
 struct check_scratch {
-  std::array<byte_range, stack_ranges> layout;
+  std::array<const std::byte*, stack_ranges> firsts;
+  std::array<std::size_t, stack_ranges> elements;  // at most one per range
   std::array<tagged_range, stack_ranges> tagged;
-  std::unique_ptr<byte_range[]> heap_layout;  // new T[n]: left uninitialised, like the arrays
-  std::unique_ptr<tagged_range[]> heap_tagged;
+  std::unique_ptr<std::byte[]> heap_table;  // the element counts, then the first bytes (one allocation)
+  std::unique_ptr<tagged_range[]> heap_tagged;  // new T[n]: left uninitialised, like the arrays
 };
 
 }  // namespace detail

@@ -207,12 +207,12 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
   return r;
 }
 
-/// The pass over a layout validation proved (variable i's buffers at layout[i * stride], stride
-/// = towers + 1, + 2 with squares), and the call's summary.
+/// The pass over a table of buffers validation proved (its stride towers + 1, + 2 with squares),
+/// and the call's summary.
 template <class S, class O>
-summary average_layout(const byte_range* layout, std::size_t variables, std::size_t towers, bool with_squares,
+summary average_layout(const buffer_table& layout, std::size_t variables, std::size_t towers, bool with_squares,
                        std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
-  const pass_table table{layout, towers + (with_squares ? 2 : 1), elements};
+  const pass_table table{layout, elements};
   const pass_result pass = with_accumulator<S>(
       opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, table, with_squares, opts); });
   return make_summary(averaged, skipped, towers, pass, opts);

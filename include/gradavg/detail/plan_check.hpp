@@ -32,22 +32,23 @@ inline layout_proof* proving_into(plan& p) {
   return &plan_access::proof(p);
 }
 
-/// Whether output slot s holds exactly the bytes expected, writable as O.
+/// Whether output slot s holds exactly `elements` elements from `first` on, writable as O.
 template <class O, class Slot>
-GRADAVG_HOT_ bool output_matches(Slot&& s, const byte_range& expected) {
+GRADAVG_HOT_ bool output_matches(Slot&& s, const std::byte* first, std::size_t elements) {
   if (!slot_present(s)) return false;
   auto& t = slot_get(s);
   using T = std::remove_cvref_t<decltype(t)>;
   if constexpr (dynamic_tensor<T>) {
     if (tensor_traits<T>::element(t) != element_of_type<O>()) return false;
   }
-  return is_contiguous(t) && bytes_of(typed_mutable_data<O>(t), tensor_traits<T>::shape(t).size()) == expected;
+  return is_contiguous(t) && reinterpret_cast<const std::byte*>(typed_mutable_data<O>(t)) == first &&
+         tensor_traits<T>::shape(t).size() == elements;
 }
 
 /// Whether gradient slot e of a variable present (expected) or absent in the proof is so in this
-/// call, and when present, contiguous, of type S, at the proved bytes.
+/// call, and when present, contiguous, of type S, of `elements` elements from `first` on.
 template <class S, class E>
-GRADAVG_HOT_ bool gradient_matches(const E& e, bool expected, const byte_range& proved) {
+GRADAVG_HOT_ bool gradient_matches(const E& e, bool expected, const std::byte* first, std::size_t elements) {
   using G = slot_tensor_t<std::remove_cvref_t<decltype(entry_traits<E>::gradient(e))>>;
   auto&& s = entry_traits<E>::gradient(e);
   if (!slot_present(s)) return !expected;
@@ -56,7 +57,8 @@ GRADAVG_HOT_ bool gradient_matches(const E& e, bool expected, const byte_range& 
   if constexpr (dynamic_tensor<G>) {
     if (tensor_traits<G>::element(g) != element_of_type<S>()) return false;
   }
-  return is_contiguous(g) && bytes_of(typed_data<S>(g), tensor_traits<G>::shape(g).size()) == proved;
+  return is_contiguous(g) && reinterpret_cast<const std::byte*>(typed_data<S>(g)) == first &&
+         tensor_traits<G>::shape(g).size() == elements;
 }
 
 /// Towers that matches_plan reads through their first entries' addresses, taken once per call:
@@ -91,18 +93,20 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
 
   const std::size_t stride = towers + (with_squares ? 2 : 1);
   const unsigned char* present = A::present(p).data();
-  // Every variable's buffers against its row of the proof; entry_matches(k, i, expected, proved)
-  // compares tower k's entry i.
+  // Every variable's buffers against its row of the proof; entry_matches(k, i, expected, first,
+  // elements) compares tower k's entry i.
   const auto all_match = [&](auto&& entry_matches) {
-    const byte_range* slots = A::proof(p).layout.data();
-    for (std::size_t i = 0; i < variables; ++i, slots += stride) {
+    const std::byte* const* row = A::proof(p).firsts.data();
+    const std::size_t* counts = A::proof(p).elements.data();
+    for (std::size_t i = 0; i < variables; ++i, row += stride) {
       const bool expected = present[i] != 0;
+      const std::size_t elements = counts[i];
       for (std::size_t k = 0; k < towers; ++k)
-        if (!entry_matches(k, i, expected, slots[k])) return false;
+        if (!entry_matches(k, i, expected, row[k], elements)) return false;
       if (!expected) continue;
-      if (!output_matches<O>(at(means, i), slots[towers])) return false;
+      if (!output_matches<O>(at(means, i), row[towers], elements)) return false;
       if constexpr (with_squares) {
-        if (!output_matches<O>(at(*squares, i), slots[towers + 1])) return false;
+        if (!output_matches<O>(at(*squares, i), row[towers + 1], elements)) return false;
       }
     }
     return true;
@@ -113,13 +117,14 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
       if (towers <= towers_read_directly) {
         const E* first[towers_read_directly];
         for (std::size_t k = 0; k < towers; ++k) first[k] = std::ranges::data(at(tg, k));
-        return all_match([&](std::size_t k, std::size_t i, bool expected, const byte_range& proved) {
-          return gradient_matches<S>(first[k][i], expected, proved);
-        });
+        return all_match(
+            [&](std::size_t k, std::size_t i, bool expected, const std::byte* proved, std::size_t elements) {
+              return gradient_matches<S>(first[k][i], expected, proved, elements);
+            });
       }
     }
-    return all_match([&](std::size_t k, std::size_t i, bool expected, const byte_range& proved) {
-      return with_entry(tg, k, i, [&](const E& e) { return gradient_matches<S>(e, expected, proved); });
+    return all_match([&](std::size_t k, std::size_t i, bool expected, const std::byte* proved, std::size_t elements) {
+      return with_entry(tg, k, i, [&](const E& e) { return gradient_matches<S>(e, expected, proved, elements); });
     });
   } catch (...) {
     return false;

@@ -123,17 +123,16 @@ piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_c
 /// Whole variables [first, last) of a table, plain pass (kernel.hpp's reduce_variables): the
 /// Direct pass inlined in the loop over the variables, so a small variable costs no call.
 template <class S, class Acc, class O, bool WithSquare>
-void reduce_variables_impl(const shared_detail::byte_range* table, std::size_t stride, std::size_t first,
-                           std::size_t last, std::size_t tower_count, bool streaming, bool prefetch, Acc divisor) {
-  using shared_detail::byte_range;
+void reduce_variables_impl(const shared_detail::buffer_table& table, std::size_t first, std::size_t last,
+                           std::size_t tower_count, bool streaming, bool prefetch, Acc divisor) {
   const Acc reciprocal = exact_reciprocal(divisor);
   for (std::size_t i = first; i < last; ++i) {
-    const byte_range* v = table + i * stride;
-    const std::size_t n = shared_detail::elements_in<S>(v[0]);
+    const std::size_t n = table.elements[i];
     if (n == 0) continue;
-    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(v), sizeof(byte_range)};
-    O* mean = shared_detail::output_start<O>(v[tower_count]);
-    O* square = WithSquare ? shared_detail::output_start<O>(v[tower_count + 1]) : nullptr;
+    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.row(i)),
+                                 sizeof(const std::byte*)};
+    O* mean = table.buffer<O>(i, tower_count);
+    O* square = WithSquare ? table.buffer<O>(i, tower_count + 1) : nullptr;
     if (tower_count <= group_towers && !streaming) {
       variable_pass<S, Acc, false> towers;
       towers.load(reader, 0, tower_count, 0, nullptr);
@@ -147,12 +146,12 @@ void reduce_variables_impl(const shared_detail::byte_range* table, std::size_t s
 }
 
 template <class S, class Acc, class O>
-void reduce_variables(const shared_detail::byte_range* table, std::size_t stride, std::size_t first, std::size_t last,
+void reduce_variables(const shared_detail::buffer_table& table, std::size_t first, std::size_t last,
                       std::size_t tower_count, bool with_squares, bool streaming, bool prefetch, Acc divisor) {
   if (with_squares)
-    reduce_variables_impl<S, Acc, O, true>(table, stride, first, last, tower_count, streaming, prefetch, divisor);
+    reduce_variables_impl<S, Acc, O, true>(table, first, last, tower_count, streaming, prefetch, divisor);
   else
-    reduce_variables_impl<S, Acc, O, false>(table, stride, first, last, tower_count, streaming, prefetch, divisor);
+    reduce_variables_impl<S, Acc, O, false>(table, first, last, tower_count, streaming, prefetch, divisor);
 }
 
 /// to[j] = from[j] / divisor for j in [0, len), a NaN quotient the default quiet NaN, stored

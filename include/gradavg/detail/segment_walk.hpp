@@ -40,13 +40,12 @@ struct segment_record {
 };
 static_assert(std::is_trivially_default_constructible_v<segment_record>);
 
-/// The call's buffers, as validation recorded them (validate_into's layout): variable i's
-/// gradient on tower k is layout[i * stride + k] (k < T; empty for a skipped variable), its means
-/// output begins at layout[i * stride + T] and, with squares, its squares output at
-/// layout[i * stride + T + 1]; total is the sum of the variables' element counts.
+/// The call's buffers, as validation recorded them (validate_into's layout, a buffer_table):
+/// variable i's gradient on tower k begins at buffers.row(i)[k] (k < T), its means output at
+/// row(i)[T] and, with squares, its squares output at row(i)[T + 1]; each holds
+/// buffers.elements[i] elements (0: the variable is skipped). total is the sum of the counts.
 struct pass_table {
-  const byte_range* layout;
-  std::size_t stride;
+  buffer_table buffers;
   std::size_t total;
 };
 
@@ -70,10 +69,10 @@ struct segment_walk {
 
   void operator()(std::size_t c) { run_segments(segments * c / chunks, segments * (c + 1) / chunks); }
 
-  std::size_t size_of(std::size_t i) const { return shared_detail::elements_in<S>(table.layout[i * table.stride]); }
-  O* mean_ptr(std::size_t i) const { return shared_detail::output_start<O>(table.layout[i * table.stride + towers]); }
+  std::size_t size_of(std::size_t i) const { return table.buffers.elements[i]; }
+  O* mean_ptr(std::size_t i) const { return table.buffers.template buffer<O>(i, towers); }
   O* square_ptr(std::size_t i) const {
-    return with_squares ? shared_detail::output_start<O>(table.layout[i * table.stride + towers + 1]) : nullptr;
+    return with_squares ? table.buffers.template buffer<O>(i, towers + 1) : nullptr;
   }
 
   void zero_outputs(std::size_t i, std::size_t begin, std::size_t end) const {
@@ -99,8 +98,8 @@ struct segment_walk {
   /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
   void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
                  std::size_t seg_begin, std::size_t seg_end, segment_record& record) const {
-    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.layout + i * table.stride),
-                                 sizeof(byte_range)};
+    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.buffers.row(i)),
+                                 sizeof(const std::byte*)};
     if (!fused) {
       // Nothing to read back (loading the callee's fresh stores of an empty result stalled
       // every call of a small variable).
@@ -142,16 +141,16 @@ struct segment_walk {
         if (!fused && offset >= seg_begin) {
           // The segment's whole variables from i on: one kernel call for all of them.
           if (seg_end == table.total) {  // every variable left ends in this segment
-            reduce_variables<S, Acc, O>(table.layout, table.stride, i, variables, towers, with_squares, stream,
-                                        prefetch, divisor);
+            reduce_variables<S, Acc, O>(table.buffers, i, variables, towers, with_squares, stream, prefetch,
+                                        divisor);
             i = variables;
             break;
           }
           const std::size_t whole_first = i;
           while (i < variables && offset + size_of(i) <= seg_end) offset += size_of(i++);
           if (i != whole_first) {
-            reduce_variables<S, Acc, O>(table.layout, table.stride, whole_first, i, towers, with_squares, stream,
-                                        prefetch, divisor);
+            reduce_variables<S, Acc, O>(table.buffers, whole_first, i, towers, with_squares, stream, prefetch,
+                                        divisor);
             continue;
           }
         }

@@ -26,26 +26,36 @@ struct validated {
   std::size_t averaged = 0;
   std::size_t skipped = 0;
   std::size_t elements = 0;  // of every averaged variable
-  const byte_range* layout = nullptr;  // the table the pass reads (layout_slots)
+  buffer_table layout;  // the table the pass reads (layout_slots)
 };
 
-/// Where validate_into keeps the call's layout (tower_count + 1 or + 2 ranges per variable), the
-/// table the pass reads: a plan's proof (remembering whether the last proved layout is repeated),
-/// the stack's when it fits, or a heap array (the one allocation, documented in average.hpp).
-inline layout_writer layout_slots(layout_proof* proof, check_scratch& scratch, std::size_t slots,
-                                  std::size_t tower_count, bool with_squares) {
+/// Where validate_into keeps the call's table of buffers (tower_count + 1 or + 2 first bytes and
+/// one element count per variable), the table the pass reads: a plan's proof (remembering whether
+/// the last proved layout is repeated), the stack's when it fits, or one heap block (the one
+/// allocation, documented in average.hpp).
+inline layout_writer layout_slots(layout_proof* proof, check_scratch& scratch, std::size_t variable_count,
+                                  std::size_t tower_count, bool with_squares, std::size_t gradient_size,
+                                  std::size_t output_size) {
+  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
   layout_writer layout;
   if (proof != nullptr) {
-    layout.same = proof->proved && proof->layout.size() == slots && proof->towers == tower_count &&
-                  proof->squares == with_squares;
+    layout.same = proof->proved && proof->firsts.size() == slots && proof->elements.size() == variable_count &&
+                  proof->towers == tower_count && proof->squares == with_squares &&
+                  proof->gradient_size == gradient_size && proof->output_size == output_size;
     proof->proved = false;  // until this call's layout passes
-    proof->layout.resize(slots);
-    layout.slots = proof->layout.data();
+    proof->firsts.resize(slots);
+    proof->elements.resize(variable_count);
+    layout.firsts = proof->firsts.data();
+    layout.elements = proof->elements.data();
   } else if (slots <= stack_ranges) {
-    layout.slots = scratch.layout.data();
+    layout.firsts = scratch.firsts.data();
+    layout.elements = scratch.elements.data();
   } else {
-    scratch.heap_layout.reset(new byte_range[slots]);
-    layout.slots = scratch.heap_layout.get();
+    static_assert(sizeof(std::size_t) % alignof(const std::byte*) == 0);
+    const std::size_t count_bytes = variable_count * sizeof(std::size_t);
+    scratch.heap_table.reset(new std::byte[count_bytes + slots * sizeof(const std::byte*)]);
+    layout.elements = reinterpret_cast<std::size_t*>(scratch.heap_table.get());
+    layout.firsts = reinterpret_cast<const std::byte**>(scratch.heap_table.get() + count_bytes);
   }
   return layout;
 }
@@ -64,7 +74,7 @@ struct ignore_variables {
 };
 
 /// Variable i's checks (towers' variables, presence, shapes, contiguity; its outputs' reads; with
-/// alias_check::same_variable its own overlaps), its ranges appended to layout. Throws the
+/// alias_check::same_variable its own overlaps), its buffers appended to layout. Throws the
 /// variable's error; output problems and overlaps are only recorded in walk. Once its gradients
 /// pass: seen(i, tower 0's variable, their shape, or null when absent on every tower).
 template <class S, class O, class TG, class Means, class Squares, class Seen>
@@ -105,7 +115,7 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
 
     bool problem = !g0.contiguous;
     std::size_t present = g0.present ? 1 : 0;
-    layout.put(g0_bytes);
+    layout.put(g0_bytes.first);
     check_own_gradient(g0_bytes, 0);
     for (std::size_t k = 1; k < tower_count; ++k) {
       with_entry(tg, k, i, [&](const E& ek) {
@@ -116,7 +126,7 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
         const gradient_read<S> gk = read_gradient_at<TG, S>(tg, ek, k, i);
         present += gk.present ? 1 : 0;
         problem = problem || (gk.present && (!(gk.dims == g0.dims) || !gk.contiguous));
-        layout.put(gk.bytes());
+        layout.put(gk.bytes().first);
         check_own_gradient(gk.bytes(), k);
       });
     }
@@ -125,8 +135,9 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
       validate_variable(tg, i);  // throws the precise error
       throw shape_error(describe_variable_at(tg, i) + ": its gradients changed while being read", i);
     }
-    layout.put(m_bytes);
-    if constexpr (with_squares) layout.put(q_bytes);
+    layout.put(m_bytes.first);
+    if constexpr (with_squares) layout.put(q_bytes.first);
+    layout.put_elements(elements);
     if (check_own && !own_overlap && m_bytes.overlaps(q_bytes))
       own_overlap.emplace(tag(m_bytes, i, 0, tagged_range::means), tag(q_bytes, i, 0, tagged_range::squares));
     seen(i, v0, g0.present ? &g0.dims : nullptr);
@@ -137,11 +148,12 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
 
 /// alias_check::all on a layout not already proved: every range against every other (overlap.hpp),
 /// the sort's room from the plan's proof, the stack or the heap. Throws overlap_error.
-template <class TG>
+template <class S, class O, class TG>
 void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, const layout_writer& layout,
                     std::size_t variable_count, bool with_squares) {
   const std::size_t tower_count = std::ranges::size(tg);
-  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
+  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
+  const std::size_t slots = variable_count * stride;
   // Room for the ranges and as many again for the radix sort, except on the stack.
   tagged_range* tagged = scratch.tagged.data();
   tagged_range* sort_scratch = nullptr;
@@ -153,8 +165,9 @@ void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, c
     tagged = scratch.heap_tagged.get();
   }
   if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
-  check_overlaps(tg, tagged, tag_ranges(layout.slots, variable_count, tower_count, with_squares, tagged),
-                 sort_scratch);
+  check_overlaps(
+      tg, tagged, tag_ranges(layout.table(stride), variable_count, tower_count, sizeof(S), sizeof(O), tagged),
+      sort_scratch);
 }
 
 /// Every check of average_gradients_into, reading each gradient and output once (data(), shape(),
@@ -181,8 +194,8 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
   }
 
   const bool full = opts.check.aliasing == alias_check::all;
-  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
-  layout_writer layout = layout_slots(proof, scratch, slots, tower_count, with_squares);
+  layout_writer layout =
+      layout_slots(proof, scratch, variable_count, tower_count, with_squares, sizeof(S), sizeof(O));
   variable_walk walk;
   walk.result.variables = variable_count;
   for (std::size_t i = 0; i < variable_count; ++i)
@@ -193,14 +206,16 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     throw output_error("gradavg: an output changed while being read");
   }
   if (walk.own_overlap) throw_overlap(tg, walk.own_overlap->first, walk.own_overlap->second);
-  if (full && !layout.same) prove_disjoint(tg, proof, scratch, layout, variable_count, with_squares);
+  if (full && !layout.same) prove_disjoint<S, O>(tg, proof, scratch, layout, variable_count, with_squares);
   if (proof != nullptr) {
     // Remembered as proved only for the full check: a repeated layout skips it.
     proof->towers = tower_count;
     proof->squares = with_squares;
+    proof->gradient_size = sizeof(S);
+    proof->output_size = sizeof(O);
     proof->proved = full;
   }
-  walk.result.layout = layout.slots;
+  walk.result.layout = layout.table(tower_count + (with_squares ? 2 : 1));
   return walk.result;
 }
 
