@@ -281,9 +281,11 @@ void plan_over_towers(std::size_t towers) {
 
 TEST_CASE("a plan checks each buffer whatever range holds the towers") {
   using span_entry = std::pair<std::span<const float>, int>;
-  SECTION("contiguous towers, 2 and 16") {
-    plan_over_towers<std::vector<span_entry>>(2);
-    plan_over_towers<std::vector<span_entry>>(16);
+  SECTION("contiguous towers: 2, 4 and 8 (compared with a constant count), 3 and 16") {
+    for (const std::size_t towers : {2, 4, 8, 3, 16}) {
+      INFO(towers << " towers");
+      plan_over_towers<std::vector<span_entry>>(towers);
+    }
   }
   SECTION("contiguous towers, more than 16") { plan_over_towers<std::vector<span_entry>>(17); }
   SECTION("towers that are not contiguous") { plan_over_towers<std::deque<span_entry>>(3); }

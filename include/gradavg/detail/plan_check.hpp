@@ -91,22 +91,23 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
   for (std::size_t k = 0; k < towers; ++k)
     if (std::ranges::size(at(tg, k)) != variables) return false;
 
-  const std::size_t stride = towers + (with_squares ? 2 : 1);
   const unsigned char* present = A::present(p).data();
-  // Every variable's buffers against its row of the proof; entry_matches(k, i, expected, first,
+  // Every variable's buffers against its row of the proof, for tower_count towers (the call's
+  // count, or the same as a std::integral_constant); entry_matches(k, i, expected, first,
   // elements) compares tower k's entry i.
-  const auto all_match = [&](auto&& entry_matches) {
+  const auto all_match = [&](auto tower_count, auto&& entry_matches) {
+    const std::size_t stride = tower_count + (with_squares ? 2 : 1);
     const std::byte* const* row = A::proof(p).firsts.data();
     const std::size_t* counts = A::proof(p).elements.data();
     for (std::size_t i = 0; i < variables; ++i, row += stride) {
       const bool expected = present[i] != 0;
       const std::size_t elements = counts[i];
-      for (std::size_t k = 0; k < towers; ++k)
+      for (std::size_t k = 0; k < tower_count; ++k)
         if (!entry_matches(k, i, expected, row[k], elements)) return false;
       if (!expected) continue;
-      if (!output_matches<O>(at(means, i), row[towers], elements)) return false;
+      if (!output_matches<O>(at(means, i), row[tower_count], elements)) return false;
       if constexpr (with_squares) {
-        if (!output_matches<O>(at(*squares, i), row[towers + 1], elements)) return false;
+        if (!output_matches<O>(at(*squares, i), row[tower_count + 1], elements)) return false;
       }
     }
     return true;
@@ -117,13 +118,21 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
       if (towers <= towers_read_directly) {
         const E* first[towers_read_directly];
         for (std::size_t k = 0; k < towers; ++k) first[k] = std::ranges::data(at(tg, k));
-        return all_match(
-            [&](std::size_t k, std::size_t i, bool expected, const std::byte* proved, std::size_t elements) {
-              return gradient_matches<S>(first[k][i], expected, proved, elements);
-            });
+        const auto direct = [&](std::size_t k, std::size_t i, bool expected, const std::byte* proved,
+                                std::size_t elements) {
+          return gradient_matches<S>(first[k][i], expected, proved, elements);
+        };
+        // The usual tower counts as constants: the towers' entries then stay in registers.
+        switch (towers) {
+          case 2: return all_match(std::integral_constant<std::size_t, 2>{}, direct);
+          case 4: return all_match(std::integral_constant<std::size_t, 4>{}, direct);
+          case 8: return all_match(std::integral_constant<std::size_t, 8>{}, direct);
+          default: return all_match(towers, direct);
+        }
       }
     }
-    return all_match([&](std::size_t k, std::size_t i, bool expected, const std::byte* proved, std::size_t elements) {
+    return all_match(towers, [&](std::size_t k, std::size_t i, bool expected, const std::byte* proved,
+                                 std::size_t elements) {
       return with_entry(tg, k, i, [&](const E& e) { return gradient_matches<S>(e, expected, proved, elements); });
     });
   } catch (...) {
