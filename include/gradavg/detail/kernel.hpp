@@ -222,6 +222,12 @@ struct tower_reader {
   }
 };
 
+/// The towers of variable i of a table of buffers: its row of first bytes, read directly.
+template <class S>
+tower_reader<S> row_reader(const shared_detail::buffer_table& table, std::size_t i) noexcept {
+  return {nullptr, nullptr, reinterpret_cast<const std::byte*>(table.row(i)), sizeof(const std::byte*)};
+}
+
 }  // namespace detail
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg

@@ -100,27 +100,25 @@ void check_overlaps(const TG& tg, tagged_range* ranges, std::size_t count, tagge
 struct layout_writer {
   const std::byte** firsts = nullptr;
   std::size_t* elements = nullptr;
+  std::size_t stride = 0;  // first bytes per variable
   std::size_t count = 0;  // first bytes put
   std::size_t variables = 0;  // element counts put
   bool same = false;  // everything put equals what was already there
 
-  void put(const std::byte* first) noexcept {
-    if (same && firsts[count] == first) {  // a repeated layout is only read, not written again
-      ++count;
+  void put(const std::byte* first) noexcept { record(firsts, count, first); }
+  void put_elements(std::size_t n) noexcept { record(elements, variables, n); }
+  [[nodiscard]] buffer_table table() const noexcept { return {firsts, elements, stride}; }
+
+ private:
+  template <class T>
+  void record(T* to, std::size_t& at, T value) noexcept {
+    if (same && to[at] == value) {  // a repeated layout is only read, not written again
+      ++at;
       return;
     }
     same = false;  // from here on the old table is not read (uninitialised in stack scratch)
-    firsts[count++] = first;
+    to[at++] = value;
   }
-  void put_elements(std::size_t n) noexcept {
-    if (same && elements[variables] == n) {
-      ++variables;
-      return;
-    }
-    same = false;
-    elements[variables++] = n;
-  }
-  [[nodiscard]] buffer_table table(std::size_t stride) const noexcept { return {firsts, elements, stride}; }
 };
 
 /// The ranges the sweep must see, from a table whose gradients hold gradient_size bytes per

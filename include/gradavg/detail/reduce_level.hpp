@@ -129,8 +129,7 @@ void reduce_variables_impl(const shared_detail::buffer_table& table, std::size_t
   for (std::size_t i = first; i < last; ++i) {
     const std::size_t n = table.elements[i];
     if (n == 0) continue;
-    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.row(i)),
-                                 sizeof(const std::byte*)};
+    const tower_reader<S> reader = row_reader<S>(table, i);
     O* mean = table.buffer<O>(i, tower_count);
     O* square = WithSquare ? table.buffer<O>(i, tower_count + 1) : nullptr;
     if (tower_count <= group_towers && !streaming) {

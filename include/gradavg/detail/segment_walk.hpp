@@ -98,8 +98,7 @@ struct segment_walk {
   /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
   void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
                  std::size_t seg_begin, std::size_t seg_end, segment_record& record) const {
-    const tower_reader<S> reader{nullptr, nullptr, reinterpret_cast<const std::byte*>(table.buffers.row(i)),
-                                 sizeof(const std::byte*)};
+    const tower_reader<S> reader = row_reader<S>(table.buffers, i);
     if (!fused) {
       // Nothing to read back (loading the callee's fresh stores of an empty result stalled
       // every call of a small variable).

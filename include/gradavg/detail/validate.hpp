@@ -36,8 +36,9 @@ struct validated {
 inline layout_writer layout_slots(layout_proof* proof, check_scratch& scratch, std::size_t variable_count,
                                   std::size_t tower_count, bool with_squares, std::size_t gradient_size,
                                   std::size_t output_size) {
-  const std::size_t slots = variable_count * (tower_count + (with_squares ? 2 : 1));
   layout_writer layout;
+  layout.stride = tower_count + (with_squares ? 2 : 1);
+  const std::size_t slots = variable_count * layout.stride;
   if (proof != nullptr) {
     layout.same = proof->proved && proof->firsts.size() == slots && proof->elements.size() == variable_count &&
                   proof->towers == tower_count && proof->squares == with_squares &&
@@ -146,14 +147,14 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
   });
 }
 
-/// alias_check::all on a layout not already proved: every range against every other (overlap.hpp),
-/// the sort's room from the plan's proof, the stack or the heap. Throws overlap_error.
+/// alias_check::all on a layout not already proved, once the walk has put every variable: every
+/// range against every other (overlap.hpp), the sort's room from the plan's proof, the stack or
+/// the heap. Throws overlap_error.
 template <class S, class O, class TG>
-void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, const layout_writer& layout,
-                    std::size_t variable_count, bool with_squares) {
+void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, const layout_writer& layout) {
   const std::size_t tower_count = std::ranges::size(tg);
-  const std::size_t stride = tower_count + (with_squares ? 2 : 1);
-  const std::size_t slots = variable_count * stride;
+  const std::size_t variable_count = layout.variables;
+  const std::size_t slots = layout.count;
   // Room for the ranges and as many again for the radix sort, except on the stack.
   tagged_range* tagged = scratch.tagged.data();
   tagged_range* sort_scratch = nullptr;
@@ -166,7 +167,7 @@ void prove_disjoint(const TG& tg, layout_proof* proof, check_scratch& scratch, c
   }
   if (tagged != scratch.tagged.data()) sort_scratch = tagged + slots;
   check_overlaps(
-      tg, tagged, tag_ranges(layout.table(stride), variable_count, tower_count, sizeof(S), sizeof(O), tagged),
+      tg, tagged, tag_ranges(layout.table(), variable_count, tower_count, sizeof(S), sizeof(O), tagged),
       sort_scratch);
 }
 
@@ -206,7 +207,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     throw output_error("gradavg: an output changed while being read");
   }
   if (walk.own_overlap) throw_overlap(tg, walk.own_overlap->first, walk.own_overlap->second);
-  if (full && !layout.same) prove_disjoint<S, O>(tg, proof, scratch, layout, variable_count, with_squares);
+  if (full && !layout.same) prove_disjoint<S, O>(tg, proof, scratch, layout);
   if (proof != nullptr) {
     // Remembered as proved only for the full check: a repeated layout skips it.
     proof->towers = tower_count;
@@ -215,7 +216,7 @@ validated validate_into(const TG& tg, Means& means, Squares* squares, const opti
     proof->output_size = sizeof(O);
     proof->proved = full;
   }
-  walk.result.layout = layout.table(tower_count + (with_squares ? 2 : 1));
+  walk.result.layout = layout.table();
   return walk.result;
 }
 
