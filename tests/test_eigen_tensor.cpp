@@ -13,6 +13,8 @@
 //
 // Eigen::Tensor is heavy to compile: every tensor type here is only constructed, resized, mapped
 // and indexed (no tensor expressions), and each configuration instantiates two gradient kinds.
+// gradavg's headers come first (built without the precompiled header): they declare Tensor and
+// TensorMap, which the module then declares again with its default arguments.
 #include <gradavg/average.hpp>
 #include <gradavg/eigen_tensor.hpp>
 

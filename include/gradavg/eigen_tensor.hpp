@@ -1,14 +1,26 @@
 // gradavg: Eigen's Tensor module — Eigen::Tensor and Eigen::TensorMap (of mutable tensors, const
 // tensors, or tensors of const elements), any rank up to gradavg::shape::max_rank, either layout, of float, double, Eigen::half or Eigen::bfloat16.
 // Shape: the tensor's dimensions and layout. Results of the allocating API are Eigen::Tensor.
+// The traits need only the declarations of Tensor and TensorMap: this header does not include the
+// Tensor module (a unit that uses Eigen::Tensor includes it, before or after gradavg's headers).
 #pragma once
 
-#include <unsupported/Eigen/CXX11/Tensor>
+#include <Eigen/Core>
 
+#include <array>
 #include <type_traits>
 
 #include "detail/isa.hpp"
 #include "tensor.hpp"
+
+// The Tensor module's class templates (unsupported/Eigen/CXX11/src/Tensor/TensorForwardDeclarations.h
+// declares them again with their default arguments).
+namespace Eigen {
+template <typename Scalar, int NumIndices, int Options, typename IndexType>
+class Tensor;
+template <typename PlainObjectType, int Options, template <class> class MakePointer>
+class TensorMap;
+}  // namespace Eigen
 
 namespace gradavg {
 namespace shared_detail {
@@ -29,7 +41,7 @@ template <class Scalar, int Rank, int Layout, class Index>
 Eigen::Tensor<Scalar, Rank, Layout, Index> make_eigen_tensor(const gradavg::shape& s) {
   Eigen::Tensor<Scalar, Rank, Layout, Index> t;
   if constexpr (Rank > 0) {
-    Eigen::array<Index, Rank> dims;
+    std::array<Index, static_cast<std::size_t>(Rank)> dims;
     for (int d = 0; d < Rank; ++d) dims[static_cast<std::size_t>(d)] = static_cast<Index>(s.dims[static_cast<std::size_t>(d)]);
     t.resize(dims);
   }
