@@ -8,6 +8,7 @@
 #include <torch/nn/module.h>
 
 #include <concepts>
+#include <cstddef>
 #include <exception>
 #include <ranges>
 #include <span>
@@ -23,6 +24,19 @@
 
 namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
+
+namespace detail {
+
+/// average_gradients_into over replicas' gradients into outputs of their dtypes (replica 0's
+/// gradients, or tensors made like them): only the kernels of those types are compiled.
+template <class TG>
+summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, std::vector<at::Tensor>* squares,
+                                const options& opts) {
+  if (squares) return gradavg::detail::average_into_impl<true>(tg, means, squares, opts);
+  return gradavg::detail::average_into_impl<true>(tg, means, static_cast<std::nullptr_t*>(nullptr), opts);
+}
+
+}  // namespace detail
 
 /// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
 /// the batch, on its own thread) into replica 0's .grad() tensors, in place, and copies the result
@@ -59,8 +73,7 @@ inline module_report average_module_gradients(std::span<::torch::nn::Module* con
         if (prior) std::rethrow_exception(prior);
         options call = opts;
         call.compute.per_variable = per_variable;
-        if (squares) return average_gradients_into(tg, means, *squares, call);
-        return average_gradients_into(tg, means, call);
+        return detail::average_into_own_dtypes(tg, means, squares, call);
       });
 }
 

@@ -142,7 +142,7 @@ class data_parallel {
         [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
             std::span<variable_statistics>) {
           if (prior) std::rethrow_exception(prior);
-          return average_gradients_into(tg, means, opts_);
+          return detail::average_into_own_dtypes(tg, means, nullptr, opts_);
         },
         &done, &params_);
     reports.push_back(&rest);

@@ -124,7 +124,7 @@ inline void data_parallel::average_bucket(bucket& bk, scratch& s) noexcept {
     }
     s.means.clear();
     for (const auto& e : s.towers[0]) s.means.push_back(e.first);
-    bk.report.report = average_gradients_into(s.towers, s.means, opts_);
+    bk.report.report = detail::average_into_own_dtypes(s.towers, s.means, nullptr, opts_);
     detail::copy_to_replicas(s.towers, s.means, 1, detail::receiving_replicas(mopts_, replicas_.size()), opts_);
   } catch (...) {
     bk.failure = std::current_exception();

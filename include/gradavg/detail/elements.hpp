@@ -199,12 +199,14 @@ call_elements validate_elements(const TG& tg, std::size_t variable_count, Means*
 /// validate_elements found; types_known false when it threw, so e holds nothing). A pair the
 /// kernel does not have (validate_elements rejects each first): throws output_error, or, where
 /// every process must still take part in the call (Agree), runs the outputs' type's kernel.
-template <class G, class OT, bool Agree, class F>
+/// SameElements: the caller made every output of its gradients' element type, so the kernels that
+/// write float for 16-bit gradients are not compiled (other outputs: output_error).
+template <class G, class OT, bool Agree, bool SameElements = false, class F>
 summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
   auto with_gradients = [&]<class S>() -> summary {
     if constexpr (dynamic_tensor<OT>) {
       if (types_known && e.outputs != e.gradients) {
-        if constexpr (std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+        if constexpr (!SameElements && std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
           return f.template operator()<S, float>();
         else if constexpr (!Agree)
           throw_output_element(e.gradients, e.outputs);

@@ -71,7 +71,9 @@ summary average_planned(plan& p, bool with_squares, const options& opts) {
 }
 
 /// average_gradients_into, with p (may be null) holding the proof of an earlier call's checks.
-template <class TG, class Means, class Squares>
+/// SameElements: every output holds its gradients' element type by construction (the libtorch
+/// calls' outputs are replica 0's gradients or made like them): see with_kernel_types.
+template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts, plan* p = nullptr) {
   using G = gradient_tensor_t<TG>;
   using OT = output_tensor_t<Means&>;
@@ -100,7 +102,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
       // The element types the plan proved, confirmed buffer by buffer by matches_plan.
       const call_elements kept{plan_access::gradients(*p), plan_access::outputs(*p)};
       bool matched = false;
-      const summary s = with_kernel_types<G, OT, false>(kept, true, [&]<class S, class O>() -> summary {
+      const summary s = with_kernel_types<G, OT, false, SameElements>(kept, true, [&]<class S, class O>() -> summary {
         if (!matches_plan<S, O>(*p, signature, tg, means, squares, opts)) return {};
         matched = true;
         return average_planned<S, O>(*p, with_squares, opts);
@@ -111,7 +113,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
     if (p != nullptr) plan_access::ready(*p) = false;
     const std::size_t variable_count = validate_tower_counts(tg);
     const call_elements e = validate_elements(tg, variable_count, &means, squares);
-    return with_kernel_types<G, OT, false>(e, true, [&]<class S, class O>() {
+    return with_kernel_types<G, OT, false, SameElements>(e, true, [&]<class S, class O>() {
       return average_into_typed<S, O>(tg, means, squares, opts, p, signature);
     });
   }
