@@ -184,9 +184,10 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
           std::span<variable_statistics> per_variable) {
         gradavg::mpi::options call = opts;
         call.compute.per_variable = per_variable;
-        if (squares) return gradavg::mpi::detail::average_into(comm, tg, means, squares, call, prior);
-        return gradavg::mpi::detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr), call,
-                                                      prior);
+        // The outputs are of the gradients' dtypes: only those kernels are compiled.
+        if (squares) return gradavg::mpi::detail::average_into<true>(comm, tg, means, squares, call, prior);
+        return gradavg::mpi::detail::average_into<true>(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
+                                                        call, prior);
       });
 }
 

@@ -419,7 +419,9 @@ summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* s
   return call<TG, Means, Squares, S, O>{{comm, tg, means, squares, opts, work}, planned}(prior);
 }
 
-template <class TG, class Means, class Squares>
+/// SameElements: every output holds its gradients' element type by construction (the libtorch
+/// replicas'): see gradavg::detail::with_kernel_types.
+template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                      std::exception_ptr prior = nullptr, plan* planned = nullptr) {
   using G = gradavg::detail::gradient_tensor_t<TG>;
@@ -449,7 +451,7 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
         prior = std::current_exception();
       }
     }
-    return gradavg::detail::with_kernel_types<G, OT, true>(e, !prior, [&]<class S, class O>() {
+    return gradavg::detail::with_kernel_types<G, OT, true, SameElements>(e, !prior, [&]<class S, class O>() {
       return average_into_typed<S, O>(comm, tg, means, squares, opts, prior, planned);
     });
   }
