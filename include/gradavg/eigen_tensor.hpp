@@ -13,8 +13,8 @@
 #include "detail/isa.hpp"
 #include "tensor.hpp"
 
-// The Tensor module's class templates (unsupported/Eigen/CXX11/src/Tensor/TensorForwardDeclarations.h
-// declares them again with their default arguments).
+// The Tensor module's class templates, as the module declares them (its
+// TensorForwardDeclarations.h declares them again, with their default arguments).
 namespace Eigen {
 template <typename Scalar, int NumIndices, int Options, typename IndexType>
 class Tensor;
