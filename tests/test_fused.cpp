@@ -230,12 +230,37 @@ TEST_CASE("clip_coefficient: min(1, max_norm / norm), 1 for a zero norm, NaN for
 
   // A max_norm that would flip or void the gradient is refused, whatever the norm.
   for (const auto* s : {&r.summary, &zero.summary})
-    for (double bad : {-1.0, 0.0, -0.0, nan_value, inf_value, -inf_value}) {
+    for (double bad : {-1.0, 0.0, -0.0, nan_value, -inf_value}) {
       INFO("max_norm " << bad);
       const std::string message =
           message_of<gradavg::statistics_error>([&] { static_cast<void>(s->clip_coefficient(bad)); });
-      CHECK(contains(message, "max_norm must be finite and > 0"));
+      CHECK(contains(message, "max_norm must be > 0"));
     }
+  // +Inf is PyTorch's max_norm=inf: no clipping, whatever the finite norm; NaN for a non-finite one.
+  CHECK(r.summary.clip_coefficient(inf_value) == 1.0);
+  CHECK(zero.summary.clip_coefficient(inf_value) == 1.0);
+  CHECK(std::isnan(run_into(w, {.compute = {.statistics = true}}).summary.clip_coefficient(inf_value)));
+}
+
+TEST_CASE("noise: a sample count that overflows is a statistics_error; a huge finite one gives finite estimates") {
+  fused_towers<float> w(4, {5, 33}, {}, 41);
+  const auto r = run_into(w, {.compute = {.statistics = true}});
+  for (double samples : {1e308, std::numeric_limits<double>::max()}) {
+    INFO("samples_per_tower " << samples);
+    const std::string m = message_of<gradavg::statistics_error>([&] { static_cast<void>(r.summary.noise(samples)); });
+    CHECK(contains(m, "overflows"));
+    CHECK_THROWS_AS(r.summary.noise(r.per_variable[1], samples), gradavg::statistics_error);
+  }
+  // B = 4e300: the estimate of |G|^2 does not depend on B and stays that of a small B; tr(Sigma)
+  // scales with B (against the reference in long double, which has the range).
+  const double s1 = r.summary.sum_mean_squared, s2 = r.summary.sum_mean_of_squares;
+  const auto small = r.summary.noise(32), huge = r.summary.noise(1e300);
+  const noise_reference want = mccandlish(s1, s2, 4, 4e300L);
+  CHECK(std::isfinite(huge.gradient_squared));
+  CHECK(huge.gradient_squared == small.gradient_squared);
+  CHECK(huge.gradient_squared == Approx(static_cast<double>(want.gradient_squared)).epsilon(1e-12));
+  CHECK(huge.trace_covariance == Approx(static_cast<double>(want.trace)).epsilon(1e-12));
+  CHECK(huge.simple_noise_scale == Approx(static_cast<double>(want.noise_scale)).epsilon(1e-12));
 }
 
 TEST_CASE("the noise estimate is unbiased for towers of equal, unequal and zero weight") {
@@ -950,6 +975,89 @@ TEST_CASE("bad scale, begin > end, per_variable of the wrong size") {
   CHECK_THROWS_AS(gradavg::average_gradients(w.tg, bucket), gradavg::option_error);
   bucket.compute.range = {0, 16};
   CHECK_THROWS_AS(gradavg::average_gradients(w.tg, bucket), gradavg::option_error);
+}
+
+TEST_CASE("an option that holds none of its enumeration's values is an option_error naming it") {
+  // Integers cast to the options' enumerations, one past the last named value and far beyond it.
+  for (unsigned bad : {2u, 3u, 7u, 255u}) {
+    INFO("value " << bad);
+    const auto as = [&]<class E>(E) { return static_cast<E>(static_cast<std::underlying_type_t<E>>(bad)); };
+    gradavg::options opts;
+    if (bad >= 2) {
+      opts.compute.accumulate = as(gradavg::accumulation{});
+      CHECK(contains(both_throw<gradavg::option_error>(opts), "options.compute.accumulate"));
+    }
+    if (bad >= 3) {
+      opts = {};
+      opts.compute.on_nonfinite = as(gradavg::nonfinite_policy{});
+      CHECK(contains(both_throw<gradavg::option_error>(opts), "options.compute.on_nonfinite"));
+      opts = {};
+      opts.run.stores = as(gradavg::store_policy{});
+      CHECK(contains(both_throw<gradavg::option_error>(opts), "options.run.stores"));
+      opts = {};
+      opts.check.aliasing = as(gradavg::alias_check{});
+      CHECK(contains(both_throw<gradavg::option_error>(opts), "options.check.aliasing"));
+    }
+  }
+  // A plan's later call checks them too, and the plan is emptied by the failure.
+  const fused_towers<float> w(3, {5, 3, 8}, {}, 23);
+  auto means = w.outputs<float>(0.0f);
+  gradavg::plan plan;
+  gradavg::average_gradients_into(plan, w.tg, means);
+  const auto before = means;
+  gradavg::options bad;
+  bad.compute.on_nonfinite = static_cast<gradavg::nonfinite_policy>(7);
+  CHECK_THROWS_AS(gradavg::average_gradients_into(plan, w.tg, means, bad), gradavg::option_error);
+  CHECK(same_bits_all(means, before));
+  CHECK_FALSE(plan.ready());
+}
+
+TEST_CASE("weights held in an output are an aliasing_error naming the variable; in a gradient they are read") {
+  fused_towers<double> w(3, {5, 3, 8}, {}, 29);
+  w.data[1][2][0] = 0.5;  // the weights read from a gradient at the end
+  w.data[1][2][1] = 1.5;
+  w.data[1][2][2] = 1.0;
+  auto r = run_into(w, {});
+  for (auto* outs : {&r.means, &r.squares})
+    for (auto& o : *outs) std::fill(o.begin(), o.end(), 2.0);  // also the weights below: 2, 2, 2
+  const auto means_before = r.means, squares_before = r.squares;
+  for (std::size_t variable : {0u, 2u})
+    for (auto* outs : {&r.means, &r.squares}) {
+      const std::span<const double> inside((*outs)[variable].data() + 1, 3);
+      INFO("weights inside variable " << variable << "'s " << (outs == &r.means ? "means" : "squares"));
+      for (auto aliasing : {gradavg::alias_check::all, gradavg::alias_check::same_variable}) {
+        gradavg::options opts;
+        opts.compute.weights = inside;
+        opts.check.aliasing = aliasing;
+        const std::string m = message_of<gradavg::aliasing_error>(
+            [&] { gradavg::average_gradients_into(w.tg, r.means, r.squares, opts); });
+        CHECK(contains(m, "variable #" + std::to_string(variable)));
+        CHECK(contains(m, outs == &r.means ? "the means output overlaps options.compute.weights"
+                                           : "the squares output overlaps options.compute.weights"));
+        CHECK(same_bits_all(r.means, means_before));
+        CHECK(same_bits_all(r.squares, squares_before));
+        // With a plan: proved over other weights first, then the same buffers with these.
+        gradavg::plan plan;
+        const std::vector<double> apart{2, 2, 2};
+        opts.compute.weights = apart;
+        auto means = r.means, squares = r.squares;
+        gradavg::average_gradients_into(plan, w.tg, means, squares, opts);
+        means = means_before;  // the same buffers, holding the weights 2, 2, 2 again
+        squares = squares_before;
+        const auto planned_means = means;
+        opts.compute.weights = std::span<const double>(((outs == &r.means ? means : squares)[variable]).data() + 1, 3);
+        CHECK_THROWS_AS(gradavg::average_gradients_into(plan, w.tg, means, squares, opts), gradavg::aliasing_error);
+        CHECK(same_bits_all(means, planned_means));
+      }
+    }
+  // Weights read from a gradient buffer: nothing is written there, so the call is valid, and
+  // gives what the same weights in a buffer of their own give.
+  const std::vector<double> copied(w.data[1][2].begin(), w.data[1][2].begin() + 3);
+  gradavg::options in_gradient;
+  in_gradient.compute.weights = std::span<const double>(w.data[1][2].data(), 3);
+  gradavg::options own;
+  own.compute.weights = copied;
+  require_same_bits(run_into(w, in_gradient), run_into(w, own));
 }
 
 TEST_CASE("the allocating API honours every option and reports the summary") {

@@ -849,6 +849,47 @@ TEST_CASE("options that differ on one rank: option_error on every rank; bad weig
   every_rank_throws<gradavg::remote_error, gradavg::weight_error>(local, out, 0, bad);
 }
 
+TEST_CASE("an option that is none of its enumeration's values, weights in an output: that rank's error, remote_error elsewhere") {
+  const world<double> w({5, 6}, {false, false}, layout(true), 8);
+  const auto local = w.local();
+  const std::size_t rank = static_cast<std::size_t>(world_rank());
+  auto out = w.outputs();
+  const auto before = hash_of(out);
+  // Rank 1 alone passes a value no enumerator has (each rank's own check, before the agreement).
+  auto one_rank_throws = [&]<class E>(const gradavg::mpi::options& opts, const char* names) {
+    if (rank == 1)
+      CHECK(contains(exception_of<E>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts); }).what(),
+                     names));
+    else
+      CHECK(contains(exception_of<gradavg::remote_error>(
+                         [&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, opts); })
+                         .what(),
+                     "rank 1"));
+    CHECK(hash_of(out) == before);
+    CHECK(same_on_every_rank(11));
+  };
+  gradavg::mpi::options method;
+  if (rank == 1) method.exchange.method = static_cast<gradavg::mpi::exchange_method>(2);
+  one_rank_throws.operator()<gradavg::option_error>(method, "options.exchange.method holds 2");
+  gradavg::mpi::options policy;
+  if (rank == 1) policy.compute.on_nonfinite = static_cast<gradavg::nonfinite_policy>(9);
+  one_rank_throws.operator()<gradavg::option_error>(policy, "options.compute.on_nonfinite holds 9");
+  // Rank 1's weights are the first elements of its own means output of variable 1.
+  std::fill(out[1].begin(), out[1].end(), 1.0);
+  const auto filled = hash_of(out);
+  gradavg::mpi::options inside;
+  if (rank == 1) inside.compute.weights = std::span<const double>(out[1].data(), w.towers_of[1]);
+  if (rank == 1)
+    CHECK(contains(exception_of<gradavg::aliasing_error>(
+                       [&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, inside); })
+                       .what(),
+                   "variable #1 'v1': the means output overlaps options.compute.weights"));
+  else
+    exception_of<gradavg::remote_error>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, out, inside); });
+  CHECK(hash_of(out) == filled);
+  CHECK(same_on_every_rank(12));
+}
+
 TEST_CASE("the allocating API: a rank whose own call is invalid throws its error, every other rank remote_error") {
   const world<float> w({5, 6}, {false, false}, layout(true), 8);
   const auto local = w.local();

@@ -912,6 +912,20 @@ TEST_CASE("a bfloat16 body and a float head: an error in the second dtype's call
   gradavg::options range_opts;
   range_opts.compute.range = {0, 10};
   CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(replicas, range_opts), gradavg::option_error);
+
+  // A mean_target cast from an integer no enumerator has is refused, every replica left as it was.
+  gradavg::libtorch::module_options odd;
+  odd.means_to = static_cast<gradavg::libtorch::mean_target>(2);
+  replicas = mixed_replicas(3, 103);
+  before.clear();
+  for (const auto& m : replicas)
+    for (const auto& p : m->parameters()) before.push_back(p.grad().clone());
+  CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::option_error>(
+                                   [&] { gradavg::libtorch::average_module_gradients(replicas, {}, odd); }),
+                               "module_options::means_to holds 2"));
+  j = 0;
+  for (const auto& m : replicas)
+    for (const auto& p : m->parameters()) CHECK(bitwise_equal(p.grad(), before[j++]));
 }
 
 TEST_CASE("module replicas: module_options::include_square returns the means of squares, one per parameter") {

@@ -483,6 +483,12 @@ TEST_CASE("data_parallel: options that span every parameter, null replicas and u
                                  gradavg::libtorch::data_parallel dp(t.overlapped, {}, {.include_square = true});
                                }),
                                "module_options::include_square"));
+  CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::option_error>([&] {
+                                 gradavg::libtorch::module_options odd;
+                                 odd.means_to = static_cast<gradavg::libtorch::mean_target>(5);
+                                 gradavg::libtorch::data_parallel dp(t.overlapped, {}, odd);
+                               }),
+                               "module_options::means_to holds 5"));
   std::vector<torch::nn::Module*> with_null{t.overlapped[0].get(), nullptr};
   CHECK(gradavg_test::message_of<gradavg::tower_error>([&] {
           gradavg::libtorch::data_parallel dp{std::span<torch::nn::Module* const>(with_null)};

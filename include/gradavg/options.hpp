@@ -7,7 +7,10 @@
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string>
+#include <type_traits>
 
+#include "errors.hpp"
 #include "statistics.hpp"
 
 namespace gradavg {
@@ -152,5 +155,31 @@ struct include_square_t {
   explicit constexpr include_square_t(make_tag) noexcept {}
 };
 inline constexpr include_square_t include_square{include_square_t::make_tag{}};
+
+namespace shared_detail {
+
+/// Throws option_error unless `value` is one of its enumeration's named values, which run from 0
+/// to `last`: an integer cast to an option's enumeration outside them is refused, never read as
+/// another value. `what` names the option ("options.compute.on_nonfinite").
+template <class E>
+void require_named(E value, E last, const char* what) {
+  using U = std::underlying_type_t<E>;
+  static_assert(std::is_unsigned_v<U>, "gradavg: the options' enumerations count from 0");
+  if (static_cast<U>(value) > static_cast<U>(last))
+    throw option_error(std::string("gradavg: ") + what + " holds " +
+                       std::to_string(static_cast<unsigned long long>(static_cast<U>(value))) +
+                       ", which is none of its enumeration's values (0 to " +
+                       std::to_string(static_cast<unsigned long long>(static_cast<U>(last))) + ")");
+}
+
+/// require_named for every enumeration of the three groups.
+inline void require_named_options(const options& opts) {
+  require_named(opts.compute.accumulate, accumulation::double_precision, "options.compute.accumulate");
+  require_named(opts.compute.on_nonfinite, nonfinite_policy::zero, "options.compute.on_nonfinite");
+  require_named(opts.run.stores, store_policy::streaming, "options.run.stores");
+  require_named(opts.check.aliasing, alias_check::none, "options.check.aliasing");
+}
+
+}  // namespace shared_detail
 
 }  // namespace gradavg

@@ -43,9 +43,11 @@ struct noise_estimate {
   noise_estimate e;
   if (weighted_towers < 2 || !(total_samples > 0)) return e;
   const double t = static_cast<double>(weighted_towers);
-  e.trace_covariance = total_samples * (sum_mean_of_squares - sum_mean_squared) / (t - 1);
-  e.gradient_squared = sum_mean_squared - e.trace_covariance / total_samples;
-  e.simple_noise_scale = e.trace_covariance / e.gradient_squared;
+  // tr(Sigma) / B, formed without B: gradient_squared stays finite for any finite sums and B.
+  const double per_sample = (sum_mean_of_squares - sum_mean_squared) / (t - 1);
+  e.trace_covariance = total_samples * per_sample;
+  e.gradient_squared = sum_mean_squared - per_sample;
+  e.simple_noise_scale = total_samples * (per_sample / e.gradient_squared);
   return e;
 }
 
@@ -96,12 +98,13 @@ struct summary {
   }
 
   /// Factor by which clipping to max_norm multiplies every mean: min(1, max_norm / norm), 1 for a
-  /// zero norm, NaN for a non-finite norm; max_norm must be finite and > 0 (statistics_error).
-  /// Apply it in the optimizer's update (one multiply per element the optimizer reads anyway)
-  /// rather than in a pass of its own over the means.
+  /// zero norm, NaN for a non-finite norm. max_norm must be > 0 (statistics_error); +Inf means no
+  /// clipping (PyTorch's clip_grad_norm_(max_norm=inf)): 1 for a finite norm. Apply it in the
+  /// optimizer's update (one multiply per element the optimizer reads anyway) rather than in a
+  /// pass of its own over the means.
   [[nodiscard]] double clip_coefficient(double max_norm) const {
-    if (!std::isfinite(max_norm) || !(max_norm > 0))
-      throw statistics_error("gradavg: clip_coefficient(max_norm): max_norm must be finite and > 0, not " +
+    if (std::isnan(max_norm) || !(max_norm > 0))
+      throw statistics_error("gradavg: clip_coefficient(max_norm): max_norm must be > 0 (+inf: no clipping), not " +
                              std::to_string(max_norm));
     const double norm = global_norm();
     if (!std::isfinite(norm)) return std::numeric_limits<double>::quiet_NaN();
@@ -111,7 +114,8 @@ struct summary {
   /// The gradient-noise estimate over every averaged variable, for a step of
   /// samples_per_tower * T samples in all (every tower, weight-0 ones included; with weights,
   /// tower k's count is taken as proportional to w_k). samples_per_tower must be finite and
-  /// >= 0 (statistics_error); 0: unknown, the estimate is NaN. Needs T+ >= 2.
+  /// >= 0, and samples_per_tower * T finite (statistics_error); 0: unknown, the estimate is NaN.
+  /// Needs T+ >= 2.
   [[nodiscard]] noise_estimate noise(double samples_per_tower) const {
     require_statistics("noise()");
     return estimate_noise(sum_mean_squared, sum_mean_of_squares, weighted_towers, total_samples(samples_per_tower));
@@ -128,7 +132,12 @@ struct summary {
     if (!std::isfinite(samples_per_tower) || samples_per_tower < 0)
       throw statistics_error("gradavg: summary::noise(samples_per_tower): samples_per_tower must be finite and >= 0, "
                              "not " + std::to_string(samples_per_tower));
-    return samples_per_tower * static_cast<double>(towers);
+    const double total = samples_per_tower * static_cast<double>(towers);
+    if (!std::isfinite(total))
+      throw statistics_error("gradavg: summary::noise(samples_per_tower): samples_per_tower (" +
+                             std::to_string(samples_per_tower) + ") times the " + std::to_string(towers) +
+                             " towers overflows; the step's sample count must be finite");
+    return total;
   }
 
   void require_statistics(const char* what) const {

@@ -37,6 +37,7 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   layout_proof* const proof = planned != nullptr ? proving_into(*planned) : nullptr;
   const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch, proof);
   validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
+  check_weights_apart(tg, v.layout, v.variables, towers, sizeof(O), opts);
   if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.check.aliasing);
   return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
 }
@@ -49,19 +50,22 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
                              averaged_gradients<R, V>& result, bool with_squares, const options& opts) {
   allocated_outputs<R> outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
   options into = opts;
-  into.check.aliasing = alias_check::none;  // new results overlap nothing
+  // New results overlap nothing; an aliasing value that is no alias_check is still refused by
+  // validate_options, in the checks' order.
+  if (opts.check.aliasing <= alias_check::none) into.check.aliasing = alias_check::none;
   if (with_squares)
     result.report = average_into_typed<S, S>(tower_grads, outputs.means, &outputs.squares, into);
   else
     result.report = average_into_typed<S, S>(tower_grads, outputs.means, static_cast<std::nullptr_t*>(nullptr), into);
 }
 
-/// A call whose buffers p proved (matches_plan): the options' checks and the pass.
-template <class S, class O>
-summary average_planned(plan& p, bool with_squares, const options& opts) {
+/// A call over tg whose buffers p proved (matches_plan): the options' checks and the pass.
+template <class S, class O, class TG>
+summary average_planned(plan& p, const TG& tg, bool with_squares, const options& opts) {
   using A = plan_access;
   try {
     validate_options(opts, A::towers(p), A::variables(p), accumulator_max<S>(opts));
+    check_weights_apart(tg, A::proof(p).table(), A::variables(p), A::towers(p), sizeof(O), opts);
   } catch (...) {
     A::ready(p) = false;  // a failed call empties the plan
     throw;
@@ -95,7 +99,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
     static_assert(supported_output<S, O>,
                   "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
     if (p != nullptr && matches_plan<S, O>(*p, signature, tg, means, squares, opts))
-      return average_planned<S, O>(*p, with_squares, opts);
+      return average_planned<S, O>(*p, tg, with_squares, opts);
     return average_into_typed<S, O>(tg, means, squares, opts, p, signature);
   } else {
     if (p != nullptr && plan_access::ready(*p) && plan_access::signature(*p) == signature) {
@@ -105,7 +109,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
       const summary s = with_kernel_types<G, OT, false, SameElements>(kept, true, [&]<class S, class O>() -> summary {
         if (!matches_plan<S, O>(*p, signature, tg, means, squares, opts)) return {};
         matched = true;
-        return average_planned<S, O>(*p, with_squares, opts);
+        return average_planned<S, O>(*p, tg, with_squares, opts);
       });
       if (matched) return s;
     }

@@ -207,11 +207,13 @@ struct call : data_path<TG, Means, Squares, S, O> {
         if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
           throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+        gradavg::shared_detail::require_named(opts.exchange.method, exchange_method::point_to_point, "options.exchange.method");
         plan_state = plan_state_here(header);
         if (plan_state != 0) {
           gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
           restore_own_words();
           const auto proved_table = gradavg::detail::plan_access::proof(*planned).table();
+          gradavg::detail::check_weights_apart(tg, proved_table, variables, towers, sizeof(O), local);
           prepare(&proved_table);
           return failure;
         }
@@ -232,6 +234,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
           proved = false;
         }
         gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
+        if (proved) gradavg::detail::check_weights_apart(tg, v.layout, variables, towers, sizeof(O), local);
         if (planned != nullptr && proved) {
           gradavg::detail::keep_proof<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, v,
                                             opts.check.aliasing);

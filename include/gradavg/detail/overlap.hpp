@@ -8,12 +8,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 
 #include "access.hpp"
 #include "messages.hpp"
 #include "../errors.hpp"
+#include "../options.hpp"
 #include "layout_proof.hpp"
 
 namespace gradavg {
@@ -38,6 +40,30 @@ template <class TG>
                            "; outputs may overlap nothing, except that means[i] may be tower 0's gradient i "
                            "itself (averaging in place)",
                        a.variable);
+}
+
+/// options.compute.weights, read while the outputs are written, against every output of a checked
+/// table whose outputs hold output_size bytes per element (gradients may hold the weights: they
+/// are only read): aliasing_error for the first variable one of whose outputs overlaps them.
+/// Nothing is checked with alias_check::none.
+template <class TG>
+void check_weights_apart(const TG& tg, const buffer_table& table, std::size_t variables, std::size_t towers,
+                         std::size_t output_size, const options& opts) {
+  const std::span<const double> w = opts.compute.weights;
+  if (w.empty() || opts.check.aliasing == alias_check::none) return;
+  const byte_range weights = bytes_of(w.data(), w.size());
+  for (std::size_t i = 0; i < variables; ++i) {
+    const std::size_t elements = table.elements[i];
+    if (elements == 0) continue;
+    for (std::size_t slot = towers; slot < table.stride; ++slot) {
+      const std::byte* first = table.row(i)[slot];
+      if (!byte_range{first, first + elements * output_size}.overlaps(weights)) continue;
+      throw aliasing_error(describe_variable_at(tg, i) + ": the " + (slot == towers ? "means" : "squares") +
+                               " output overlaps options.compute.weights, which are read while the outputs are "
+                               "written",
+                           i);
+    }
+  }
 }
 
 /// Sorts ranges by start address. With scratch (room for count more), large inputs are radix

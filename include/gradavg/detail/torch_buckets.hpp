@@ -21,10 +21,11 @@ namespace gradavg::libtorch {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// option_error for the options that span every parameter in one pass
-/// (module_options::include_square, options.compute.per_variable and range): buckets are calls
-/// over parts of the parameters.
+/// option_error for a module option that is none of its enumeration's values, and for the options
+/// that span every parameter in one pass (module_options::include_square,
+/// options.compute.per_variable and range): buckets are calls over parts of the parameters.
 inline void check_bucket_options(const options& opts, const module_options& mopts) {
+  require_named_module_options(mopts);
   const char* what = nullptr;
   if (mopts.include_square) what = "module_options::include_square";
   else if (!opts.compute.per_variable.empty()) what = "options.compute.per_variable";

@@ -156,6 +156,11 @@ inline std::vector<std::vector<std::size_t>> dtype_groups(const ::torch::Ordered
 
 using named_tensors = ::torch::OrderedDict<std::string, at::Tensor>;
 
+/// option_error unless every enumeration of mopts holds one of its named values.
+inline void require_named_module_options(const module_options& mopts) {
+  gradavg::shared_detail::require_named(mopts.means_to, mean_target::first_replica, "module_options::means_to");
+}
+
 /// How many replicas, from replica 0 on, receive the means (module_options::means_to).
 inline std::size_t receiving_replicas(const module_options& mopts, std::size_t k_count) noexcept {
   return mopts.means_to == mean_target::first_replica ? std::min<std::size_t>(1, k_count) : k_count;
@@ -387,6 +392,13 @@ module_report average_replicas(std::span<::torch::nn::Module* const> replicas, c
                                const std::vector<named_tensors>* known = nullptr) {
   replica_call call;
   call.read(replicas, done, known);
+  if (!call.prior) {
+    try {
+      require_named_module_options(mopts);
+    } catch (...) {
+      call.prior = std::current_exception();  // rethrown by the averaging call, agreed across processes
+    }
+  }
   agree(call.seen, mopts);
   if (mopts.absent_as_zeros) call.zero_fill();
   if (mopts.include_square) call.make_squares();
