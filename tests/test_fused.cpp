@@ -242,7 +242,7 @@ TEST_CASE("clip_coefficient: min(1, max_norm / norm), 1 for a zero norm, NaN for
   CHECK(std::isnan(run_into(w, {.compute = {.statistics = true}}).summary.clip_coefficient(inf_value)));
 }
 
-TEST_CASE("noise: a sample count that overflows is a statistics_error; a huge finite one gives finite estimates") {
+TEST_CASE("noise: a sample count that overflows is a statistics_error, a huge finite one gives finite estimates") {
   fused_towers<float> w(4, {5, 33}, {}, 41);
   const auto r = run_into(w, {.compute = {.statistics = true}});
   for (double samples : {1e308, std::numeric_limits<double>::max()}) {
@@ -1012,7 +1012,7 @@ TEST_CASE("an option that holds none of its enumeration's values is an option_er
   CHECK_FALSE(plan.ready());
 }
 
-TEST_CASE("weights held in an output are an aliasing_error naming the variable; in a gradient they are read") {
+TEST_CASE("weights held in an output are an aliasing_error naming the variable, in a gradient they are read") {
   fused_towers<double> w(3, {5, 3, 8}, {}, 29);
   w.data[1][2][0] = 0.5;  // the weights read from a gradient at the end
   w.data[1][2][1] = 1.5;

@@ -13,6 +13,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -454,6 +455,105 @@ TEST_CASE("weights, scale, non-finite detection and statistics: the one-process 
     }
     CHECK(same_on_every_rank(hash_of(means) ^ hash_of(sq)));
   }
+}
+
+/// One process's bits across processes: every quantity of a call over w's towers spread over
+/// the ranks (rank 0 any tower count, every other rank one tower: the same additions in the same
+/// order) against the one-process call over all of them, bit for bit — the means, the squares,
+/// every per-variable sum and the summary's sums — for each fusion size (the same bits for
+/// every bucket size).
+template <class S>
+void check_statistics_bits(const world<S>& w, gradavg::mpi::options opts) {
+  const std::size_t variables = w.sizes.size();
+  gradavg::options one = opts.local();
+  auto m1 = w.outputs(), q1 = w.outputs();
+  std::vector<gradavg::variable_statistics> per1(variables);
+  one.compute.per_variable = per1;
+  std::vector<double> all_weights;
+  if (!opts.compute.weights.empty()) {
+    // Every rank's weights, gathered in rank order (each rank passes its own towers' weights).
+    all_weights.resize(w.total_towers());
+    std::vector<int> counts, displs;
+    for (std::size_t r = 0; r < w.towers_of.size(); ++r) {
+      counts.push_back(static_cast<int>(w.towers_of[r]));
+      displs.push_back(static_cast<int>(w.first_tower(r)));
+    }
+    MPI_Allgatherv(opts.compute.weights.data(), static_cast<int>(opts.compute.weights.size()), MPI_DOUBLE,
+                   all_weights.data(), counts.data(), displs.data(), MPI_DOUBLE, MPI_COMM_WORLD);
+    one.compute.weights = all_weights;
+  }
+  const gradavg::summary s1 = gradavg::average_gradients_into(w.all(), m1, q1, one);
+  for (std::size_t fusion_bytes : {std::size_t{8 * 37}, std::size_t{64} << 10, std::size_t{1} << 20,
+                                   std::size_t{16} << 20}) {
+    INFO("fusion_bytes " << fusion_bytes);
+    auto m = w.outputs(), q = w.outputs();
+    std::vector<gradavg::variable_statistics> per(variables);
+    opts.compute.per_variable = per;
+    opts.exchange.fusion_bytes = fusion_bytes;
+    const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), m, q, opts);
+    CHECK(hash_of(m) == hash_of(m1));
+    CHECK(hash_of(q) == hash_of(q1));
+    CHECK(std::bit_cast<std::uint64_t>(s.sum_mean_squared) == std::bit_cast<std::uint64_t>(s1.sum_mean_squared));
+    CHECK(std::bit_cast<std::uint64_t>(s.sum_mean_of_squares) ==
+          std::bit_cast<std::uint64_t>(s1.sum_mean_of_squares));
+    CHECK(s.nonfinite_variables == s1.nonfinite_variables);
+    if (std::isfinite(s1.sum_mean_squared)) CHECK(s.global_norm() == s1.global_norm());
+    for (std::size_t i = 0; i < variables; ++i) {
+      INFO("variable " << i);
+      CHECK(std::bit_cast<std::uint64_t>(per[i].sum_mean_squared) ==
+            std::bit_cast<std::uint64_t>(per1[i].sum_mean_squared));
+      CHECK(std::bit_cast<std::uint64_t>(per[i].sum_mean_of_squares) ==
+            std::bit_cast<std::uint64_t>(per1[i].sum_mean_of_squares));
+      CHECK(per[i].nonfinite == per1[i].nonfinite);
+    }
+  }
+}
+
+/// Sizes of 60 variables: around the statistics' blocks (8, 16), a segment (1,024 floats, 512
+/// doubles) and more, with one large enough that the segments grow past the split granularity.
+std::vector<std::size_t> statistics_sizes() {
+  std::vector<std::size_t> sizes;
+  for (std::size_t i = 0; i < 60; ++i) sizes.push_back(1 + (i * i * 37) % 3000);
+  sizes[7] = 16;
+  sizes[8] = 8;
+  sizes[9] = 1;
+  sizes[30] = 400'000;
+  return sizes;
+}
+
+TEMPLATE_TEST_CASE("statistics across processes are one process's bits where the towers' order can match", "",
+                   float, double, half, bfloat16) {
+  const std::size_t ranks = static_cast<std::size_t>(world_size());
+  std::vector<std::size_t> towers(ranks, 1);
+  const auto sizes = statistics_sizes();
+  std::vector<bool> absent(sizes.size(), false);
+  absent[3] = absent[41] = true;
+  for (std::size_t rank0 : {1u, 3u}) {
+    INFO("rank 0 holds " << rank0 << " towers, every other rank one");
+    towers[0] = rank0;
+    const world<TestType> w(sizes, absent, towers, 61);
+    gradavg::mpi::options opts;
+    opts.compute.statistics = true;
+    check_statistics_bits(w, opts);
+    // The fused step: weights, a scale, detection, and a range that begins and ends mid-variable.
+    const std::size_t rank = static_cast<std::size_t>(world_rank());
+    std::vector<double> weights(w.towers_of[rank]);
+    for (std::size_t k = 0; k < weights.size(); ++k) weights[k] = 0.5 + static_cast<double>((w.first_tower(rank) + k) % 3);
+    opts.compute.weights = weights;
+    opts.compute.scale = 0.125;
+    opts.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+    check_statistics_bits(w, opts);
+    opts.compute.range = {1000, 420'000};
+    check_statistics_bits(w, opts);
+  }
+  // A non-finite input zeroed by the policy: the same zeros and the same sums without it.
+  towers[0] = 1;
+  world<TestType> w(sizes, absent, towers, 67);
+  w.data[w.total_towers() - 1][30][123'456] = std::numeric_limits<TestType>::infinity();
+  gradavg::mpi::options zero;
+  zero.compute.statistics = true;
+  zero.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
+  check_statistics_bits(w, zero);
 }
 
 TEST_CASE("the allocating API: the same bits as average_gradients_into, skipped variables listed") {

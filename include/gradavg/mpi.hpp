@@ -52,13 +52,15 @@
 // while the kernel fills bucket k+1. The division by the global weight sum (and the statistics) is
 // applied while unpacking into the outputs. So the results are bitwise the same on every rank and
 // from run to run for the same layout, whatever algorithms the MPI library picks. Against the
-// one-process call over the same towers: the means bitwise the same with one tower per rank and
-// unit weights; otherwise the sum is grouped by rank (within about T/2 ulp of the mean, as in one
-// process); the squares within the same bound (one process fuses each tower's square into the
-// running sum, each rank rounds its own sum of squares). The statistics are summed in double, one
-// running sum per variable in element order, so they are bitwise the same for every fusion_bytes
-// (not bitwise those of one process). With accumulation::double_precision, float gradients are
-// summed in float within a rank, and across ranks and divided in double.
+// one-process call over the same towers: where rank 0 holds any number of towers and every other
+// rank one, the same additions run in the same order, so the means, the squares and the statistics
+// (each variable's and the summary's: global_norm(), noise()) are that call's bits, with or
+// without weights, scale, range and non-finite policy; with more towers on another rank the sums
+// are grouped by rank (within about T/2 ulp of the mean, as in one process; the squares within the
+// same bound). The statistics are summed in the one-process pass's order (ordered_statistics.hpp:
+// segments of the flat range, eight lanes), so they are also the same for every fusion_bytes.
+// With accumulation::double_precision, float gradients are summed in float within a rank, and
+// across ranks and divided in double.
 //
 // Memory: a workspace (3 sets of fusion buffers, 2 * fusion_bytes each at most, and O(V + T + P)
 // tables) held by options.exchange.work and reused, so that calls with the same layout allocate

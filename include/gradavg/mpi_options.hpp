@@ -74,7 +74,7 @@ struct buffers {
   std::vector<int> counts;  // exchange_method::collectives: counts and displacements
   std::vector<const void*> towers;
   std::vector<void*> outputs;
-  std::vector<double> sums;
+  std::vector<unsigned char> nonfinite;  // per variable: a non-finite input on some rank
 };
 
 /// The calls' way in (every level's).

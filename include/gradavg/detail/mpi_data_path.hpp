@@ -12,9 +12,11 @@
 #include <limits>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../average.hpp"
+#include "ordered_statistics.hpp"
 #include "mpi_slices.hpp"
 #include "mpi_support.hpp"
 
@@ -89,7 +91,7 @@ struct data_path {
   void prepare(const gradavg::shared_detail::buffer_table* layout) {
     work.towers.resize(variables * towers);
     work.outputs.resize(2 * variables);
-    work.sums.resize(3 * variables);
+    work.nonfinite.resize(variables);
     sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
     total = 0;
     for (std::size_t i = 0; i < variables; ++i) {
@@ -100,7 +102,7 @@ struct data_path {
       sizes[2 * i] = size;
       sizes[2 * i + 1] = total;
       total += size;
-      work.sums[3 * i] = work.sums[3 * i + 1] = work.sums[3 * i + 2] = 0;
+      work.nonfinite[i] = 0;
     }
     range_begin = std::min(opts.compute.range.begin, total);
     range_end = std::min(opts.compute.range.end, total);
@@ -148,12 +150,11 @@ struct data_path {
   static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
 
   /// Set by run(): the global weight sum (the divisor), the fused parameters, the first variable
-  /// shape_of_bucket looks at, and the sums over the finished variables.
+  /// shape_of_bucket looks at, and the count of finished variables with a non-finite input.
   double weight_sum = 0;
   bool fused = false;
   gradavg::detail::fused_params<Buf> params{};
   std::size_t walk_variable = 0;
-  double everything_mean_squared = 0, everything_mean_of_squares = 0;
   std::size_t nonfinite_variables = 0;
 
   bool zero_nonfinite() const noexcept { return opts.compute.on_nonfinite == nonfinite_policy::zero; }
@@ -251,35 +252,32 @@ struct data_path {
 
 
   /// A variable whose last element in the range has been written: zeroed when the policy says,
-  /// reported.
-  void finish_variable(std::size_t i) {
-    double* acc = work.sums.data() + 3 * i;
-    const bool nonfinite = acc[2] != 0;
+  /// reported. sums: its statistics (options.compute.statistics; zeroed with it), or null.
+  void finish_variable(std::size_t i, gradavg::detail::piece_result* sums) {
+    const bool nonfinite = work.nonfinite[i] != 0;
     if (zero_nonfinite() && nonfinite) {
       const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
       const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
       O* m = static_cast<O*>(work.outputs[2 * i]);
       std::fill(m + begin, m + end, O(0));
       if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
-      acc[0] = acc[1] = 0;
+      if (sums != nullptr) sums->sum_mean_squared = sums->sum_mean_of_squares = 0;
     }
     if (!opts.compute.per_variable.empty()) {
       variable_statistics& out = opts.compute.per_variable[i];
       if (detect()) out.nonfinite = nonfinite;
-      if (opts.compute.statistics) {
-        out.sum_mean_squared = acc[0];
-        out.sum_mean_of_squares = acc[1];
+      if (sums != nullptr) {
+        out.sum_mean_squared = sums->sum_mean_squared;
+        out.sum_mean_of_squares = sums->sum_mean_of_squares;
       }
     }
-    everything_mean_squared += acc[0];
-    everything_mean_of_squares += acc[1];
     nonfinite_variables += nonfinite ? 1 : 0;
   }
 
-  /// Divides a gathered bucket into the outputs, adds its statistics, finishes the variables
-  /// whose last element it holds.
+  /// Divides a gathered bucket into the outputs, adds its statistics to stats, finishes the
+  /// variables whose last element it holds.
   template <class Acc>
-  void unpack(const bucket_shape& sh, bucket_set& bs) {
+  void unpack(const bucket_shape& sh, bucket_set& bs, gradavg::detail::flat_statistics<Acc>& stats) {
     slices().wait_all(bs);
     const Acc divisor = static_cast<Acc>(weight_sum);
     bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
@@ -296,7 +294,6 @@ struct data_path {
       const std::size_t at = offset_of(i) + begin - sh.begin;
       O* m = static_cast<O*>(work.outputs[2 * i]) + begin;
       O* q = work.outputs[2 * i + 1] ? static_cast<O*>(work.outputs[2 * i + 1]) + begin : nullptr;
-      double* acc = work.sums.data() + 3 * i;
       const std::size_t len = end - begin;
       // Branch-free loops the compiler vectorises; a NaN result is the default quiet NaN.
       constexpr Acc nan = std::numeric_limits<Acc>::quiet_NaN();
@@ -316,21 +313,22 @@ struct data_path {
       };
       divide_into(sums + at, m);
       if (q) divide_into(sq + at, q);
+      if (detect() && flags[flag++] != Buf(0)) work.nonfinite[i] = 1;
       if (opts.compute.statistics) {
-        // From the values in Acc, before any rounding to O; one running sum per variable in
-        // element order, carried across buckets: the same bits whatever the bucket size.
-        double mean_squared = acc[0], mean_of_squares = acc[1];
-        for (std::size_t j = 0; j < len; ++j) {
-          const double mean = static_cast<double>(static_cast<Acc>(sums[at + j]) / divisor);
-          const double square = static_cast<double>(static_cast<Acc>(sq[at + j]) / divisor);
-          mean_squared += mean * mean;
-          mean_of_squares += square;
-        }
-        acc[0] = mean_squared;
-        acc[1] = mean_of_squares;
+        // From the values in Acc, before any rounding to O, in the one-process pass's order
+        // (ordered_statistics.hpp): the same bits whatever the bucket size.
+        auto value = [&](std::size_t j) {
+          const Acc mean = static_cast<Acc>(sums[at + j]) / divisor;
+          const Acc square = static_cast<Acc>(sq[at + j]) / divisor;
+          return std::pair{mean == mean ? mean : nan, square == square ? square : nan};
+        };
+        const std::size_t first = std::max(offset_of(i), range_begin);
+        const std::size_t last = std::min(offset_of(i) + size, range_end);
+        stats.add(i, first, last, offset_of(i) + begin, offset_of(i) + end, value,
+                  [&](std::size_t v, gradavg::detail::piece_result& r) { finish_variable(v, &r); });
+      } else if (offset_of(i) + size <= sh.end || sh.end == range_end) {
+        finish_variable(i, nullptr);
       }
-      if (detect() && flags[flag++] != Buf(0)) acc[2] = 1;
-      if (offset_of(i) + size <= sh.end || sh.end == range_end) finish_variable(i);
     }
     if (streamed) gradavg::detail::streaming_fence();
     progress();
@@ -374,8 +372,8 @@ struct data_path {
     fused = weights != nullptr || opts.compute.scale != 1.0 || detect();
     params = {weights, opts.compute.scale, static_cast<Buf>(opts.compute.scale), detect(), false};
     walk_variable = 0;
-    everything_mean_squared = everything_mean_of_squares = 0;
     nonfinite_variables = 0;
+    gradavg::detail::flat_statistics<Acc> stats(range_begin, range_end);
     // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception
     // in this rank's kernel its contributions are zeros: the messages every rank waits for flow.
     std::exception_ptr failure;
@@ -398,7 +396,7 @@ struct data_path {
         bucket_set& bs = set[(b - 1) % 3];
         slices().reduce_and_gather(shapes[(b - 1) % 3].len, bs);
       }
-      if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3]);
+      if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3], stats);
     }
     // The last collective: the lowest rank whose kernel failed, if any.
     int failed_rank = failure ? rank : ranks;
@@ -411,8 +409,8 @@ struct data_path {
                          "error thrown there); the outputs of this call are partly written on every rank");
     result.nonfinite_variables = nonfinite_variables;
     if (opts.compute.statistics) {
-      result.sum_mean_squared = everything_mean_squared;
-      result.sum_mean_of_squares = everything_mean_of_squares;
+      result.sum_mean_squared = stats.everything().sum_mean_squared;
+      result.sum_mean_of_squares = stats.everything().sum_mean_of_squares;
     }
     return result;
   }

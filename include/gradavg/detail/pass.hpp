@@ -86,8 +86,7 @@ class pass_run {
     w.params = {c.weights.empty() ? nullptr : c.weights.data(), c.scale, static_cast<Acc>(c.scale),
                 c.on_nonfinite != nonfinite_policy::ignore, c.statistics};
 
-    w.segment = split_granularity<Acc>();
-    while ((n + w.segment - 1) / w.segment > max_segments) w.segment *= 2;
+    w.segment = segment_elements<Acc>(n);
     w.segments = (n + w.segment - 1) / w.segment;
     // Every element of the flat range reads one value per tower and writes a mean (and a square).
     const std::size_t bytes_per_element = w.towers * sizeof(S) + (w.with_squares ? 2 : 1) * sizeof(O);
@@ -112,44 +111,31 @@ class pass_run {
     return written;
   }
 
-  /// Variables over several segments, combined piece by piece in segment order; the sums over
-  /// everything, variable by variable in order.
+  /// The segments' records folded in order (statistics_fold): variables over several segments
+  /// piece by piece, then finished; the sums over everything.
   void combine_records(pass_result& result) const {
     const segment_walk<S, Acc, O>& w = walk_;
-    piece_result open{};
-    std::size_t open_variable = segment_record::none;
-    piece_result everything{};
+    auto finish = [&](std::size_t i, piece_result& r) {
+      if (w.zero_nonfinite && r.nonfinite) {
+        std::size_t offset = 0;
+        for (std::size_t v = 0; v < i; ++v) offset += w.size_of(v);
+        const std::size_t begin = std::max(offset, w.range_begin) - offset;
+        w.zero_outputs(i, begin, std::min(offset + w.size_of(i), w.range_end) - offset);
+      }
+      w.finish_variable(i, r);
+    };
+    statistics_fold fold;
     for (std::size_t s = 0; s < w.segments; ++s) {
       const segment_record& record = records_[s];
-      if (record.head_variable != segment_record::none) {
-        if (open_variable == record.head_variable) {
-          open.add(record.head);
-        } else {
-          open = record.head;
-          open_variable = record.head_variable;
-        }
-        if (record.head_ends) {
-          if (w.zero_nonfinite && open.nonfinite) {
-            std::size_t offset = 0;
-            for (std::size_t i = 0; i < open_variable; ++i) offset += w.size_of(i);
-            const std::size_t begin = std::max(offset, w.range_begin) - offset;
-            w.zero_outputs(open_variable, begin, std::min(offset + w.size_of(open_variable), w.range_end) - offset);
-          }
-          w.finish_variable(open_variable, open);
-          everything.add(open);
-          result.nonfinite += open.nonfinite ? 1 : 0;
-          open_variable = segment_record::none;
-        }
-      }
-      everything.add(record.inner);
-      result.nonfinite += record.inner_nonfinite;
-      if (record.tail_variable != segment_record::none) {
-        open = record.tail;
-        open_variable = record.tail_variable;
-      }
+      if (record.head_variable != segment_record::none)
+        fold.piece(record.head_variable, record.head, false, record.head_ends, finish);
+      fold.end_segment(record.inner, record.inner_nonfinite);
+      if (record.tail_variable != segment_record::none)
+        fold.piece(record.tail_variable, record.tail, true, false, finish);
     }
-    result.sum_mean_squared = everything.sum_mean_squared;
-    result.sum_mean_of_squares = everything.sum_mean_of_squares;
+    result.nonfinite = fold.nonfinite;
+    result.sum_mean_squared = fold.everything.sum_mean_squared;
+    result.sum_mean_of_squares = fold.everything.sum_mean_of_squares;
   }
 
   segment_walk<S, Acc, O> walk_;

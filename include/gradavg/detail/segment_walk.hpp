@@ -11,6 +11,7 @@
 
 #include "isa.hpp"
 #include "kernel.hpp"
+#include "ordered_statistics.hpp"
 #include "validate.hpp"
 #include "../options.hpp"
 #include "../statistics.hpp"
@@ -19,15 +20,10 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// The flat element range of a call is cut into at most max_segments segments of a size that
-/// depends only on the range's length (a power-of-two multiple of the split granularity), and
-/// threads take whole segments. Everything the fused pass sums is summed per segment and then
-/// segment by segment in order, so statistics never depend on the thread count.
-inline constexpr std::size_t max_segments = 256;
-
 /// What one segment's fused pass found: the piece of the variable that began before it (head),
-/// the variables that begin and end in it (inner, summed in order), the piece of the variable that
-/// begins in it and continues (tail). Trivial, so that an array of them costs nothing to declare.
+/// the variables that begin and end in it (inner, finished and summed in order, as
+/// statistics_fold sums them), the piece of the variable that begins in it and continues (tail).
+/// Trivial, so that an array of them costs nothing to declare.
 struct segment_record {
   static constexpr std::size_t none = std::numeric_limits<std::size_t>::max();
   std::size_t head_variable;
