@@ -53,6 +53,10 @@ struct gradavg::tensor_traits<user::matrix> {
   static user::matrix make(const gradavg::shape& s) {
     return {std::vector<double>(s.size()), s.dims[0], s.dims[1]};
   }
+  /// Messages name a matrix as the framework does.
+  static std::string describe(const user::matrix& m) {
+    return std::to_string(m.rows) + " rows x " + std::to_string(m.cols) + " columns";
+  }
 };
 
 
@@ -120,15 +124,28 @@ TEST_CASE("the allocating call reads each gradient's shape once to check it, and
   }
 }
 
-TEST_CASE("a user tensor's shape is checked: 7x9 against 9x7") {
+TEST_CASE("a user tensor's shape is checked: 7x9 against 9x7, named in the words of its tensor_traits::describe") {
   const auto a = random_matrix(7, 9, 1), b = random_matrix(9, 7, 2);
   const std::vector<std::vector<std::pair<const user::matrix*, std::string>>> tg{{{&a, "dense"}}, {{&b, "dense"}}};
   try {
     gradavg::average_gradients(tg);
     FAIL("no exception");
   } catch (const gradavg::shape_error& e) {
-    CHECK(std::string(e.what()).find("tower 1 has shape [9, 7] row-major but on tower 0 has shape [7, 9] row-major") !=
-          std::string::npos);
+    CHECK(std::string(e.what()) ==
+          "variable #0 'dense': gradient on tower 1 has shape 9 rows x 7 columns but on tower 0 has shape 7 rows x 9 "
+          "columns");
+  }
+  // An output of the wrong shape likewise.
+  const auto c = random_matrix(7, 9, 3);
+  const std::vector<std::vector<std::pair<const user::matrix*, std::string>>> same{{{&a, "dense"}}, {{&c, "dense"}}};
+  std::vector<user::matrix> means{random_matrix(9, 7, 4)};
+  try {
+    gradavg::average_gradients_into(same, means);
+    FAIL("no exception");
+  } catch (const gradavg::output_error& e) {
+    CHECK(std::string(e.what()) ==
+          "variable #0 'dense': the means output has shape 9 rows x 7 columns but the gradient has shape 7 rows x 9 "
+          "columns");
   }
 }
 

@@ -203,12 +203,12 @@ TEST_CASE("tensors gradavg does not read: its errors, naming the variable and th
     CHECK(std::string(e.what()) ==
           "variable #0 'v0': gradient on tower 2 is not contiguous (strided); pass a contiguous tensor or a copy");
   }
-  SECTION("dense in another memory order (a transpose): its memory-order shape against tower 0's") {
-    tg[1][0].first = torch::randn({5, 4}).t();
+  SECTION("dense in another memory order (a transpose): named by its sizes and strides, as the user made it") {
+    tg[1][0].first = torch::randn({5, 4}).t();  // sizes [4, 5], strides [1, 4]
     const auto e =
         gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
-    CHECK(std::string(e.what()) == "variable #0 'v0': gradient on tower 1 has shape [5, 4] row-major but on tower 0 "
-                                   "has shape [4, 5] row-major");
+    CHECK(std::string(e.what()) == "variable #0 'v0': gradient on tower 1 has shape [4, 5] with strides [1, 4], "
+                                   "memory order [5, 4] but on tower 0 has shape [4, 5]");
   }
   SECTION("a strided output") {
     means[0] = torch::full({4, 10}, -7.0).slice(1, 0, 10, 2);
@@ -475,8 +475,10 @@ TEST_CASE("channels_last gradients: another memory order is a shape error naming
     std::vector<at::Tensor> means{torch::full({4, 2, 3, 3}, -7.0)};
     const auto e =
         gradavg_test::exception_of<gradavg::output_error>([&] { gradavg::average_gradients_into(tg, means); });
-    CHECK(std::string(e.what()) == "variable #0 'conv.weight': the means output has shape [4, 2, 3, 3] row-major but "
-                                   "the gradient has shape [4, 3, 3, 2] row-major");
+    // channels_last [O = 4, I = 2, kH = 3, kW = 3]: strides [I kH kW, 1, kW I, I].
+    CHECK(std::string(e.what()) == "variable #0 'conv.weight': the means output has shape [4, 2, 3, 3] but the "
+                                   "gradient has shape [4, 2, 3, 3] with strides [18, 1, 6, 2], memory order "
+                                   "[4, 3, 3, 2]");
     CHECK(torch::equal(means[0], torch::full({4, 2, 3, 3}, -7.0)));
   }
   SECTION("a contiguous gradient on one tower") {
@@ -484,8 +486,9 @@ TEST_CASE("channels_last gradients: another memory order is a shape error naming
     std::vector<at::Tensor> means{torch::full({4, 2, 3, 3}, -7.0).contiguous(at::MemoryFormat::ChannelsLast)};
     const auto e =
         gradavg_test::exception_of<gradavg::shape_error>([&] { gradavg::average_gradients_into(tg, means); });
-    CHECK(std::string(e.what()) == "variable #0 'conv.weight': gradient on tower 1 has shape [4, 2, 3, 3] row-major "
-                                   "but on tower 0 has shape [4, 3, 3, 2] row-major");
+    CHECK(std::string(e.what()) == "variable #0 'conv.weight': gradient on tower 1 has shape [4, 2, 3, 3] but on "
+                                   "tower 0 has shape [4, 2, 3, 3] with strides [18, 1, 6, 2], memory order "
+                                   "[4, 3, 3, 2]");
     CHECK(torch::equal(means[0], torch::full({4, 2, 3, 3}, -7.0)));
   }
 }

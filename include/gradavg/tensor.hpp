@@ -15,6 +15,10 @@
 //   static result_type make(const gradavg::shape&);  // allocate one of that shape
 //   static constexpr bool view = true;             // T does not own its elements (a span, a
 //                                                  // map): then it may be yielded by value (entry.hpp)
+//   static std::string describe(const T&);         // how error messages name its shape, in the
+//                                                  // words of T's own library (default: gradavg's
+//                                                  // shape, "[3, 4] row-major"); called only to
+//                                                  // build a message
 //
 // Run-time element types (a framework tensor whose dtype is a run-time property): instead of a
 // fixed value_type,

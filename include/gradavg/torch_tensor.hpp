@@ -13,6 +13,8 @@
 //     below): a channels_last NCHW tensor reads as row-major [N, H, W, C]. Tensors of one memory
 //     order agree with each other; a gradient or output of another memory order is a shape_error
 //     (output_error) naming both memory-order shapes: its elements lie in another order;
+//   - messages name a tensor's shape by its sizes, and by its strides and memory-order shape
+//     where it is not contiguous (tensor_traits<at::Tensor>::describe);
 //   - anything else is gradavg's error naming the variable and the tower: another dtype
 //     (element_type_error), another device or a sparse tensor (unsupported_tensor_error), a
 //     strided tensor with gaps or overlaps (shape_error "not contiguous (strided)"; output_error
@@ -119,6 +121,17 @@ struct tensor_traits<at::Tensor> {
   static gradavg::shape shape(const at::Tensor& t) { return shared_detail::memory_order_shape(t); }
   /// Dense: no gaps, no overlaps, in any memory order.
   static bool contiguous(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
+  /// How messages name t's shape: its sizes, as libtorch prints them, then, when they are not the
+  /// contiguous ones, its strides and the memory-order shape gradavg reads ("[32, 8] with strides
+  /// [1, 32], memory order [8, 32]").
+  static std::string describe(const at::Tensor& t) {
+    std::string s = c10::str(t.sizes());
+    if (t.is_contiguous()) return s;
+    s += " with strides " + c10::str(t.strides()) + ", memory order [";
+    const gradavg::shape m = shared_detail::memory_order_shape(t);
+    for (std::size_t d = 0; d < m.rank; ++d) s += (d ? ", " : "") + std::to_string(m.dims[d]);
+    return s + "]";
+  }
   static result_type make(const gradavg::shape& s, element_type e) {
     return at::empty(at::IntArrayRef(s.dims.data(), s.rank), at::TensorOptions().dtype(shared_detail::scalar_type_of(e)));
   }

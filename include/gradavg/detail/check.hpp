@@ -137,7 +137,8 @@ void validate_variable(const TG& tg, std::size_t i) {
     const auto gk = read_gradient(tg, k, i);
     if (k > 0 && !(gk.dims == s0))
       throw shape_error(describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) + " has shape " +
-                            describe_shape(gk.dims) + " but on tower 0 has shape " + describe_shape(s0),
+                            describe_gradient_at(tg, k, i) + " but on tower 0 has shape " +
+                            describe_gradient_at(tg, 0, i),
                         i);
     if (!gk.contiguous)
       throw shape_error(describe_variable_at(tg, i) + ": gradient on tower " + std::to_string(k) +
@@ -281,8 +282,9 @@ void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count
     const auto out = read_output_at(tg, outputs, i, what);
     if (!out.present) throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is null", i);
     if (!output_fits(out.dims, g0.dims))
-      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output has shape " + describe_shape(out.dims) +
-                             " but the gradient has shape " + describe_shape(g0.dims),
+      throw output_error(describe_variable_at(tg, i) + ": the " + what + " output has shape " +
+                             describe_output_at(outputs, i) + " but the gradient has shape " +
+                             describe_gradient_at(tg, 0, i),
                          i);
     if (!out.contiguous)
       throw output_error(describe_variable_at(tg, i) + ": the " + what + " output is not contiguous (strided)", i);

@@ -2,6 +2,7 @@
 // when something is wrong, and the rethrow that names the variable in a traits function's error.
 #pragma once
 
+#include <concepts>
 #include <cstddef>
 #include <exception>
 #include <sstream>
@@ -85,6 +86,32 @@ inline std::string describe_shape(const shape& s) {
   out += "]";
   if (s.rank >= 2) out += s.order == storage_order::row_major ? " row-major" : " col-major";
   return out;
+}
+
+/// How a message names t's shape: the traits' describe(t) where they have one (the shape in the
+/// words of t's own library), else describe_shape of gradavg's shape.
+template <class T>
+std::string describe_tensor(const T& t) {
+  if constexpr (requires { { tensor_traits<T>::describe(t) } -> std::convertible_to<std::string>; })
+    return tensor_traits<T>::describe(t);
+  else
+    return describe_shape(tensor_traits<T>::shape(t));
+}
+
+/// describe_tensor of tower k's gradient of variable i (present).
+template <class TG>
+std::string describe_gradient_at(const TG& tg, std::size_t k, std::size_t i) {
+  return with_entry(tg, k, i, [](const entry_t<TG>& e) {
+    auto&& s = entry_traits<entry_t<TG>>::gradient(e);
+    return describe_tensor(slot_get(s));
+  });
+}
+
+/// describe_tensor of output i of outputs (present).
+template <class Outputs>
+std::string describe_output_at(Outputs& outputs, std::size_t i) {
+  auto&& s = at(outputs, i);
+  return describe_tensor(slot_get(s));
 }
 
 /// "1, 3 and 4": the first `listed` of `total` towers; "0, 1, ..., 15, ... (40 in all)" when
