@@ -41,10 +41,19 @@ struct call : data_path<TG, Means, Squares, S, O> {
   using base::total_weight;
 
   plan* planned = nullptr;  // the caller's plan, or null
-  // This rank's plan (local_checks): 0 it does not hold (or there is none), 1 it holds but the
-  // headers must be gathered again (weights passed, or a value that may change from step to step
-  // differs from the agreed one), 2 it holds. Collective 1 takes the minimum over the ranks.
-  std::uint64_t plan_state = 0;
+
+  /// Whether a rank's plan holds, in increasing order: collective 1 takes the minimum over the
+  /// ranks, the state of them all.
+  enum class plan_state : std::uint64_t {
+    /// It does not hold (or there is none): every collective runs.
+    lapsed,
+    /// It holds, but the headers are gathered again: weights are passed, or a value that may
+    /// change from step to step (step_value) differs from the agreed one.
+    headers_again,
+    /// It holds: no agreement collective.
+    holds,
+  };
+  plan_state plan_here = plan_state::lapsed;  // this rank's (local_checks)
 
   // ---- Agreement. ----
 
@@ -72,27 +81,27 @@ struct call : data_path<TG, Means, Squares, S, O> {
            f == h_range_end;
   }
 
-  /// This rank's plan_state: 0 unless its buffers are the ones it proved (matches_plan) and its
-  /// header, but for the step values, the one it sent when every rank agreed on this
-  /// communicator; then 1 where weights are passed or a step value differs, else 2.
-  std::uint64_t plan_state_here(std::uint64_t* header) {
+  /// This rank's plan_state: lapsed unless its buffers are the ones it proved (matches_plan) and
+  /// its header, but for the step values, the one it sent when every rank agreed on this
+  /// communicator; then headers_again where weights are passed or a step value differs, else holds.
+  plan_state plan_state_here(std::uint64_t* header) {
     using gradavg::detail::plan_access;
     if (planned == nullptr ||
         !gradavg::detail::matches_plan<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, means,
                                              squares, local))
-      return 0;
+      return plan_state::lapsed;
     if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
     const std::vector<std::uint64_t>& agreed = plan_access::agreed(*planned);
     if (agreed.size() != agreed_words() || agreed[0] != comm_bits() || agreed[1] != static_cast<std::uint64_t>(ranks) ||
         agreed[2] != static_cast<std::uint64_t>(rank) || agreed[3] != variables)
-      return 0;
+      return plan_state::lapsed;
     bool step_values_differ = false;
     for (std::size_t f = 0; f < header_words; ++f)
       if (header[f] != agreed[agreed_prefix + f]) {
-        if (!step_value(f)) return 0;
+        if (!step_value(f)) return plan_state::lapsed;
         step_values_differ = true;
       }
-    return step_values_differ || !opts.compute.weights.empty() ? 1 : 2;
+    return step_values_differ || !opts.compute.weights.empty() ? plan_state::headers_again : plan_state::holds;
   }
 
   /// After every rank agreed: the plan keeps it (its room was reserved by local_checks).
@@ -208,8 +217,8 @@ struct call : data_path<TG, Means, Squares, S, O> {
           throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
                              "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
         gradavg::shared_detail::require_named(opts.exchange.method, exchange_method::point_to_point, "options.exchange.method");
-        plan_state = plan_state_here(header);
-        if (plan_state != 0) {
+        plan_here = plan_state_here(header);
+        if (plan_here != plan_state::lapsed) {
           gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
           restore_own_words();
           const auto proved_table = gradavg::detail::plan_access::proof(*planned).table();
@@ -369,7 +378,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
     constexpr std::uint64_t none = ~std::uint64_t{0};
     std::uint64_t first[2] = {
         own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none,
-        own ? 0u : plan_state};
+        static_cast<std::uint64_t>(own ? plan_state::lapsed : plan_here)};
     check(MPI_Allreduce(MPI_IN_PLACE, first, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
     const std::uint64_t first_failure = first[0];
     if (own) std::rethrow_exception(own);
@@ -384,11 +393,12 @@ struct call : data_path<TG, Means, Squares, S, O> {
                              "); nothing was averaged or written on any rank",
                          variable);
     }
-    if (first[1] != 0) {
+    const auto plans = static_cast<plan_state>(first[1]);
+    if (plans != plan_state::lapsed) {
       // Every rank's plan holds: the agreement on the variables stands; the headers are gathered
       // again on every rank when one rank needs it.
       restore_agreement();
-      if (first[1] == 1) {
+      if (plans == plan_state::headers_again) {
         check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
               "MPI_Allgather");
         agree_on_headers(work.words.data());
