@@ -64,7 +64,7 @@ concept tower_gradients =
 template <tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(const TG& tower_grads, Means&& means, const options& opts = {}) {
-  return detail::average_into_impl(tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
+  return detail::average_into_impl(tower_grads, means, detail::no_squares, opts);
 }
 
 /// As above, and squares[i] receives the mean over towers of variable i's squared gradient.
@@ -84,7 +84,7 @@ summary average_gradients_into(const TG& tower_grads, Means&& means, Squares&& s
 template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires detail::output_range<Means&>
 summary average_gradients_into(P& p, const TG& tower_grads, Means&& means, const options& opts = {}) {
-  return detail::average_into_impl(tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, &p);
+  return detail::average_into_impl(tower_grads, means, detail::no_squares, opts, &p);
 }
 
 /// As above, with squares (see the second average_gradients_into).
@@ -117,8 +117,7 @@ auto average_allocating(const TG& tower_grads, bool with_squares, const options&
   const std::size_t variable_count = validate_tower_counts(tower_grads);
   averaged_gradients<R, V> result;
   if constexpr (dynamic_tensor<G>) {
-    const element_type e = validate_elements(tower_grads, variable_count, static_cast<std::nullptr_t*>(nullptr),
-                                             static_cast<std::nullptr_t*>(nullptr))
+    const element_type e = validate_elements(tower_grads, variable_count, detail::no_means, detail::no_squares)
                                .gradients;
     with_element(e, [&]<class S>() {
       average_gradients_typed<S>(tower_grads, variable_count, e, result, with_squares, opts);

@@ -82,7 +82,7 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 template <tower_gradients TG, class Means>
   requires gradavg::detail::output_range<Means&>
 summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, const mpi::options& opts = {}) {
-  return detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts);
+  return detail::average_into(comm, tower_grads, means, gradavg::detail::no_squares, opts);
 }
 
 /// As above, and squares[i] receives the mean over all towers of all ranks of the squared gradient.
@@ -105,7 +105,7 @@ template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires gradavg::detail::output_range<Means&>
 summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means&& means,
                                const mpi::options& opts = {}) {
-  return detail::average_into(comm, tower_grads, means, static_cast<std::nullptr_t*>(nullptr), opts, nullptr, &p);
+  return detail::average_into(comm, tower_grads, means, gradavg::detail::no_squares, opts, nullptr, &p);
 }
 
 /// As above, with squares.
@@ -137,8 +137,7 @@ auto average_allocating(MPI_Comm comm, const TG& tower_grads, bool with_squares,
     element_type element = element_type::float32;
     if constexpr (dynamic_tensor<G>)
       element = gradavg::detail::validate_elements(tower_grads, gradavg::detail::validate_tower_counts(tower_grads),
-                                                   static_cast<std::nullptr_t*>(nullptr),
-                                                   static_cast<std::nullptr_t*>(nullptr))
+                                                   gradavg::detail::no_means, gradavg::detail::no_squares)
                     .gradients;
     outputs = gradavg::detail::allocate_results(tower_grads, variable_count, element, with_squares, result);
   } catch (...) {
@@ -148,7 +147,7 @@ auto average_allocating(MPI_Comm comm, const TG& tower_grads, bool with_squares,
     result.report = detail::average_into(comm, tower_grads, outputs.means, &outputs.squares, opts, prior);
   else
     result.report =
-        detail::average_into(comm, tower_grads, outputs.means, static_cast<std::nullptr_t*>(nullptr), opts, prior);
+        detail::average_into(comm, tower_grads, outputs.means, gradavg::detail::no_squares, opts, prior);
   return result;
 }
 

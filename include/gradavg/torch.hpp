@@ -33,7 +33,7 @@ template <class TG>
 summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, std::vector<at::Tensor>* squares,
                                 const options& opts) {
   if (squares) return gradavg::detail::average_into_impl<true>(tg, means, squares, opts);
-  return gradavg::detail::average_into_impl<true>(tg, means, static_cast<std::nullptr_t*>(nullptr), opts);
+  return gradavg::detail::average_into_impl<true>(tg, means, gradavg::detail::no_squares, opts);
 }
 
 }  // namespace detail

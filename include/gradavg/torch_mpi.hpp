@@ -186,7 +186,7 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
         call.compute.per_variable = per_variable;
         // The outputs are of the gradients' dtypes: only those kernels are compiled.
         if (squares) return gradavg::mpi::detail::average_into<true>(comm, tg, means, squares, call, prior);
-        return gradavg::mpi::detail::average_into<true>(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
+        return gradavg::mpi::detail::average_into<true>(comm, tg, means, gradavg::detail::no_squares,
                                                         call, prior);
       });
 }
@@ -244,7 +244,7 @@ class mpi_data_parallel final : public data_parallel {
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
           [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
               std::span<variable_statistics>) {
-            return gradavg::mpi::detail::average_into(comm, tg, means, static_cast<std::nullptr_t*>(nullptr),
+            return gradavg::mpi::detail::average_into(comm, tg, means, gradavg::detail::no_squares,
                                                           opts, prior);
           },
           &masked, &params);

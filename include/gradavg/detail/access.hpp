@@ -197,6 +197,16 @@ variable_t<TG> variable_copy(const TG& tg, std::size_t i) {
 
 // ---- Access to the outputs. ---------------------------------------------------------------
 
+/// The outputs of a call that writes none of a kind: the squares range of a call without means
+/// of squares (no_squares), and both ranges of the allocating calls' element check (no_means too).
+struct no_outputs {};
+inline constexpr no_outputs* no_means = nullptr;
+inline constexpr no_outputs* no_squares = nullptr;
+
+/// Whether an output range type R (Means or Squares of a call) is a range passed by the caller.
+template <class R>
+inline constexpr bool outputs_passed = !std::is_same_v<R, no_outputs>;
+
 template <class R>
 using output_slot_t = std::remove_cvref_t<std::ranges::range_reference_t<R>>;
 

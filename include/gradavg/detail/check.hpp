@@ -296,7 +296,7 @@ void validate_outputs(const TG& tg, Outputs& outputs, std::size_t variable_count
 template <class TG, class Means, class Squares>
 void validate_all_outputs(const TG& tg, Means& means, Squares* squares, std::size_t variable_count) {
   validate_outputs(tg, means, variable_count, "means");
-  if constexpr (!std::is_same_v<Squares, std::nullptr_t>) validate_outputs(tg, *squares, variable_count, "squares");
+  if constexpr (outputs_passed<Squares>) validate_outputs(tg, *squares, variable_count, "squares");
 }
 
 }  // namespace detail

@@ -165,7 +165,7 @@ void check_output_elements(const TG& tg, std::size_t variable_count, Outputs& ou
 /// (element_type_error) and every output that will be written holds it or float32 for 16-bit
 /// gradients, all outputs the same (output_error). Outputs are checked only when each range
 /// holds one per variable (validate_into reports the count otherwise). Means / Squares may be
-/// std::nullptr_t (no outputs: the allocating API). Needs validated tower counts.
+/// no_outputs (no_means, no_squares: the allocating API). Needs validated tower counts.
 template <class TG, class Means, class Squares>
 call_elements validate_elements(const TG& tg, std::size_t variable_count, Means* means, Squares* squares) {
   using G = gradient_tensor_t<TG>;
@@ -178,9 +178,9 @@ call_elements validate_elements(const TG& tg, std::size_t variable_count, Means*
   call_elements result;
   if (gradients) result.gradients = *gradients;
   output_elements outputs;
-  if constexpr (!std::is_same_v<Means, std::nullptr_t>)
+  if constexpr (outputs_passed<Means>)
     check_output_elements(tg, variable_count, *means, "means", result.gradients, outputs);
-  if constexpr (!std::is_same_v<Squares, std::nullptr_t>)
+  if constexpr (outputs_passed<Squares>)
     check_output_elements(tg, variable_count, *squares, "squares", result.gradients, outputs);
   result.outputs = outputs.type ? *outputs.type : result.gradients;
   // Nothing is read: any gradient type the outputs accept.

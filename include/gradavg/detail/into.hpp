@@ -31,7 +31,7 @@ namespace detail {
 template <class S, class O, class TG, class Means, class Squares>
 summary average_into_typed(const TG& tg, Means& means, Squares* squares, const options& opts,
                            plan* planned = nullptr, const void* signature = nullptr) {
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  constexpr bool with_squares = outputs_passed<Squares>;
   const std::size_t towers = std::ranges::size(tg);
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
   layout_proof* const proof = planned != nullptr ? proving_into(*planned) : nullptr;
@@ -56,7 +56,7 @@ void average_gradients_typed(const TG& tower_grads, std::size_t variable_count, 
   if (with_squares)
     result.report = average_into_typed<S, S>(tower_grads, outputs.means, &outputs.squares, into);
   else
-    result.report = average_into_typed<S, S>(tower_grads, outputs.means, static_cast<std::nullptr_t*>(nullptr), into);
+    result.report = average_into_typed<S, S>(tower_grads, outputs.means, no_squares, into);
 }
 
 /// A call over tg whose buffers p proved (matches_plan): the options' checks and the pass.
@@ -81,7 +81,7 @@ template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into_impl(const TG& tg, Means& means, Squares* squares, const options& opts, plan* p = nullptr) {
   using G = gradient_tensor_t<TG>;
   using OT = output_tensor_t<Means&>;
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  constexpr bool with_squares = outputs_passed<Squares>;
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
   static_assert(outputs_outlive_reads<Means&>,
                 "gradavg: means yields outputs by value that own their elements; yield references or views");

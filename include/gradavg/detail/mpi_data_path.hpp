@@ -25,13 +25,13 @@ namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// The data path of one call: TG the towers, Means/Squares the output ranges (Squares = nullptr_t:
+/// The data path of one call: TG the towers, Means/Squares the output ranges (Squares = no_outputs:
 /// none), S and O the element types the gradients are read as and the outputs written as
 /// (value_types, or the run-time types this rank found), Buf the fusion buffer's element type.
 template <class TG, class Means, class Squares, class S, class O>
 struct data_path {
   using Buf = gradavg::detail::accumulator_t<S>;
-  static constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  static constexpr bool with_squares = gradavg::detail::outputs_passed<Squares>;
 
   MPI_Comm comm;
   const TG& tg;

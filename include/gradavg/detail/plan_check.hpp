@@ -77,7 +77,7 @@ template <class S, class O, class TG, class Means, class Squares>
 bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Squares* squares, const options& opts) {
   using A = plan_access;
   using E = entry_t<TG>;
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  constexpr bool with_squares = outputs_passed<Squares>;
   const std::size_t towers = std::ranges::size(tg);
   const std::size_t variables = A::variables(p);
   if (!A::ready(p) || A::signature(p) != signature || A::towers(p) != towers || A::squares(p) != with_squares ||

@@ -83,7 +83,7 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
                     layout_writer& layout, variable_walk& walk, Seen& seen) {
   using V = variable_t<TG>;
   using E = entry_t<TG>;
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  constexpr bool with_squares = outputs_passed<Squares>;
   const std::size_t tower_count = std::ranges::size(tg);
   auto tag = [](byte_range b, std::size_t v, std::size_t k, tagged_range::kind_t kind) {
     return tagged_range{b, v, k, kind};
@@ -183,7 +183,7 @@ template <class TG, class Means, class Squares, class S = default_value_t<gradie
           class O = default_value_t<output_tensor_t<Means&>>, class Seen = ignore_variables>
 validated validate_into(const TG& tg, Means& means, Squares* squares, const options& opts, check_scratch& scratch,
                         layout_proof* proof = nullptr, Seen seen = {}) {
-  constexpr bool with_squares = !std::is_same_v<Squares, std::nullptr_t>;
+  constexpr bool with_squares = outputs_passed<Squares>;
   const std::size_t variable_count = validate_tower_counts(tg);
   const std::size_t tower_count = std::ranges::size(tg);
 
