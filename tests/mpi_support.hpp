@@ -4,6 +4,8 @@
 
 #include <mpi.h>
 
+#include <cstdint>
+
 namespace gradavg_test {
 
 /// MPI for the life of the program (main() is the suite's shared one): one object per test
@@ -31,6 +33,13 @@ inline int world_size() {
   int n = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
+}
+
+/// Whether every rank of MPI_COMM_WORLD holds the same value (a collective: every rank calls it).
+inline bool same_on_every_rank(std::uint64_t value) {
+  std::uint64_t words[2] = {value, ~value};  // the largest value, and the complement of the smallest
+  MPI_Allreduce(MPI_IN_PLACE, words, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
+  return words[0] == ~words[1];
 }
 
 }  // namespace gradavg_test

@@ -19,6 +19,23 @@
 
 namespace gradavg_test {
 
+/// FNV-1a of n bytes at data, continuing from h (start from fnv_offset): the tests' fingerprint
+/// of outputs, compared across ranks and before and after a call.
+inline constexpr std::uint64_t fnv_offset = 1469598103934665603ull;
+inline std::uint64_t fnv1a(const void* data, std::size_t n, std::uint64_t h = fnv_offset) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
+  return h;
+}
+
+/// fnv1a of every vector's elements in turn.
+template <class S>
+std::uint64_t hash_of(const std::vector<std::vector<S>>& outputs) {
+  std::uint64_t h = fnv_offset;
+  for (const auto& v : outputs) h = fnv1a(v.data(), v.size() * sizeof(S), h);
+  return h;
+}
+
 /// Whether n values at a and b are the same bit for bit (memcmp, which may not take null).
 template <class S>
 bool same_bits(const S* a, const S* b, std::size_t n) {

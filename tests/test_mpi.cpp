@@ -75,23 +75,6 @@ std::pair<int, int> collectives_of(F&& f) {
   return {allreduce_calls, allgather_calls};
 }
 
-/// FNV-1a of the outputs' bytes.
-template <class S>
-std::uint64_t hash_of(const std::vector<std::vector<S>>& outputs) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& v : outputs) {
-    const auto* p = reinterpret_cast<const unsigned char*>(v.data());
-    for (std::size_t i = 0; i < v.size() * sizeof(S); ++i) h = (h ^ p[i]) * 1099511628211ull;
-  }
-  return h;
-}
-
-/// Whether every rank holds the same value.
-bool same_on_every_rank(std::uint64_t value) {
-  std::vector<std::uint64_t> all(static_cast<std::size_t>(world_size()));
-  MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
-  return std::all_of(all.begin(), all.end(), [&](std::uint64_t x) { return x == all[0]; });
-}
 
 template <class S>
 using entry = std::pair<const std::vector<S>*, std::string>;  // null: gradient absent

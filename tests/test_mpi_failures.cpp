@@ -110,6 +110,7 @@ using gradavg_test::contains;
 
 using gradavg_test::world_rank;
 using gradavg_test::world_size;
+using gradavg_test::hash_of;
 
 const gradavg_test::mpi_session session;
 
@@ -119,12 +120,6 @@ bool on_any_rank(bool mine) {
   return x != 0;
 }
 
-std::uint64_t hash_of(const std::vector<std::vector<float>>& outputs) {
-  std::uint64_t h = 1469598103934665603ull;
-  for (const auto& v : outputs)
-    for (float x : v) h = (h ^ std::bit_cast<std::uint32_t>(x)) * 1099511628211ull;
-  return h;
-}
 
 /// This rank's towers: rank r holds 1 + r % 2 towers of one gradient per size in `sizes`, each
 /// element a small integer from the rank, the tower and its position.

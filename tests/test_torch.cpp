@@ -65,11 +65,7 @@ std::vector<at::Tensor> clones(const std::vector<at::Tensor>& v) {
   return c;
 }
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() || !b.defined()) return a.defined() == b.defined();
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
-         std::memcmp(a.data_ptr(), b.data_ptr(), static_cast<std::size_t>(a.numel()) * a.element_size()) == 0;
-}
+using gradavg_test::bitwise_equal;
 
 bool all_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   for (std::size_t i = 0; i < a.size(); ++i)
@@ -294,23 +290,6 @@ TEST_CASE("parameter tensors as variables: the same TensorImpl on every tower, p
 
 namespace {
 
-/// K replicas of one model, each with the gradient of its slice of a batch.
-std::vector<Net> replicas_with_gradients(std::size_t k_count, std::uint64_t seed) {
-  torch::manual_seed(seed);
-  Net model;
-  std::vector<Net> r{model};
-  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
-  // clone() makes submodules afresh: their parameters require gradients again.
-  for (auto& replica : r)
-    for (auto& p : replica->frozen->parameters()) p.set_requires_grad(false);
-  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
-  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
-  for (std::size_t k = 0; k < k_count; ++k) {
-    const auto rows = torch::indexing::Slice(static_cast<std::int64_t>(8 * k), static_cast<std::int64_t>(8 * (k + 1)));
-    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
-  }
-  return r;
-}
 
 }  // namespace
 

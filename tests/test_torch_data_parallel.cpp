@@ -30,12 +30,7 @@ using namespace gradavg_test::models;  // Net, Mixed, Deep
 
 namespace {
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.defined() != b.defined()) return false;
-  if (!a.defined()) return true;
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
-         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
-}
+using gradavg_test::bitwise_equal;
 
 /// Two sets of K replicas of one Deep model (channels_last), `overlapped` for data_parallel and
 /// `one_shot` for average_module_gradients, and batches of 4 rows per replica.

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "mpi_support.hpp"
 #include "support.hpp"
 #include "torch_models.hpp"
 
@@ -31,50 +32,29 @@ namespace {
 using gradavg_test::contains;
 using gradavg_test::exception_of;
 
-/// MPI for the life of the program (main() is the suite's shared one).
-struct mpi_session {
-  mpi_session() { MPI_Init(nullptr, nullptr); }
-  ~mpi_session() { MPI_Finalize(); }
-  mpi_session(const mpi_session&) = delete;
-  mpi_session& operator=(const mpi_session&) = delete;
-} const session;
+using gradavg_test::same_on_every_rank;
 
-std::size_t world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return static_cast<std::size_t>(r);
-}
-std::size_t world_size() {
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return static_cast<std::size_t>(n);
-}
+/// MPI for the life of the program (main() is the suite's shared one).
+const gradavg_test::mpi_session session;
+
+std::size_t world_rank() { return static_cast<std::size_t>(gradavg_test::world_rank()); }
+std::size_t world_size() { return static_cast<std::size_t>(gradavg_test::world_size()); }
 /// Rank r's first tower and tower count (r + 1 towers each).
 std::size_t first_tower(std::size_t r) { return r * (r + 1) / 2; }
 std::size_t total_towers() { return first_tower(world_size()); }
 
-/// FNV-1a of the tensors' bytes (undefined ones hash as a marker).
+/// fnv1a of the tensors' bytes in memory order (undefined ones hash as a marker).
 std::uint64_t hash_of(const std::vector<at::Tensor>& tensors) {
-  std::uint64_t h = 1469598103934665603ull;
-  auto mix = [&](const void* data, std::size_t n) {
-    const auto* p = static_cast<const unsigned char*>(data);
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 1099511628211ull;
-  };
+  std::uint64_t h = gradavg_test::fnv_offset;
   for (const auto& t : tensors) {
     if (!t.defined()) {
-      mix("undefined", 9);
+      h = gradavg_test::fnv1a("undefined", 9, h);
       continue;
     }
     const at::Tensor c = t.contiguous();
-    mix(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size());
+    h = gradavg_test::fnv1a(c.data_ptr(), static_cast<std::size_t>(c.numel()) * c.element_size(), h);
   }
   return h;
-}
-
-bool same_on_every_rank(std::uint64_t value) {
-  std::vector<std::uint64_t> all(world_size());
-  MPI_Allgather(&value, 1, MPI_UINT64_T, all.data(), 1, MPI_UINT64_T, MPI_COMM_WORLD);
-  return std::all_of(all.begin(), all.end(), [&](std::uint64_t x) { return x == all[0]; });
 }
 
 using entry = std::pair<at::Tensor, std::string>;
@@ -148,22 +128,7 @@ void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double toleranc
 
 /// Every rank's replicas (all of them, on every rank) of one model, each with the gradient of its
 /// own 8 rows of a batch.
-std::vector<Net> all_replicas(std::uint64_t seed) {
-  torch::manual_seed(seed);
-  Net model;
-  const std::size_t k_count = total_towers();
-  std::vector<Net> r{model};
-  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
-  for (auto& replica : r)
-    for (auto& p : replica->frozen->parameters()) p.set_requires_grad(false);
-  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
-  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
-  for (std::size_t k = 0; k < k_count; ++k) {
-    const auto rows = torch::indexing::Slice(static_cast<std::int64_t>(8 * k), static_cast<std::int64_t>(8 * (k + 1)));
-    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
-  }
-  return r;
-}
+std::vector<Net> all_replicas(std::uint64_t seed) { return replicas_with_gradients(total_towers(), seed); }
 
 std::vector<Net> local_replicas(const std::vector<Net>& all) {
   const std::size_t r = world_rank();

@@ -34,32 +34,20 @@ namespace {
 const gradavg_test::mpi_session session(MPI_THREAD_SERIALIZED);
 
 std::size_t world_rank() { return static_cast<std::size_t>(gradavg_test::world_rank()); }
+using gradavg_test::same_on_every_rank;
 
-bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  if (a.defined() != b.defined()) return false;
-  if (!a.defined()) return true;
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
-         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
-}
+using gradavg_test::bitwise_equal;
 
-/// FNV-1a of the bytes of every gradient of a replica (undefined ones as a marker).
+/// fnv1a of the bytes of every gradient of a replica (undefined ones as a marker).
 std::uint64_t gradient_hash(Deep& m) {
-  std::uint64_t h = 1469598103934665603ull;
+  std::uint64_t h = gradavg_test::fnv_offset;
   for (const auto& p : m->parameters()) {
     const at::Tensor g = p.grad();
-    const std::size_t n = g.defined() ? g.nbytes() : 0;
-    const auto* bytes = g.defined() ? static_cast<const unsigned char*>(g.data_ptr()) : nullptr;
-    h = (h ^ (g.defined() ? 1u : 2u)) * 1099511628211ull;
-    for (std::size_t i = 0; i < n; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+    const unsigned char defined = g.defined() ? 1 : 2;
+    h = gradavg_test::fnv1a(&defined, 1, h);
+    if (g.defined()) h = gradavg_test::fnv1a(g.data_ptr(), g.nbytes(), h);
   }
   return h;
-}
-
-/// Every rank's value of v equal.
-bool same_on_every_rank(std::uint64_t v) {
-  std::uint64_t words[2] = {v, ~v};
-  MPI_Allreduce(MPI_IN_PLACE, words, 2, MPI_UINT64_T, MPI_MAX, MPI_COMM_WORLD);
-  return words[0] == ~words[1];
 }
 
 /// This rank's r + 1 replicas twice: `overlapped` for mpi_data_parallel, `one_shot` for the

@@ -1,10 +1,27 @@
-// Small libtorch models shared by the libtorch tests (one process and across ranks).
+// Small libtorch models, replicas of them with gradients, and a bitwise comparison of tensors,
+// shared by the libtorch tests (one process and across ranks).
 #pragma once
 
 #include <torch/torch.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <vector>
+
+namespace gradavg_test {
+
+/// Whether two tensors are the same bits: both undefined, or of one dtype, sizes and strides
+/// holding the same bytes.
+inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.defined() != b.defined()) return false;
+  if (!a.defined()) return true;
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
+         std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+}  // namespace gradavg_test
 
 namespace gradavg_test::models {
 
@@ -21,6 +38,25 @@ struct NetImpl : torch::nn::Cloneable<NetImpl> {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, frozen{nullptr};
 };
 TORCH_MODULE(Net);
+
+/// K replicas of one Net, replica k with the gradient of its own 8 rows of a batch; the frozen
+/// layer's parameters require no gradient on any replica.
+inline std::vector<Net> replicas_with_gradients(std::size_t k_count, std::uint64_t seed) {
+  torch::manual_seed(seed);
+  Net model;
+  std::vector<Net> r{model};
+  for (std::size_t k = 1; k < k_count; ++k) r.push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
+  // clone() makes submodules afresh: their parameters require gradients again.
+  for (auto& replica : r)
+    for (auto& p : replica->frozen->parameters()) p.set_requires_grad(false);
+  const at::Tensor x = torch::randn({static_cast<std::int64_t>(8 * k_count), 6});
+  const at::Tensor y = torch::randint(0, 3, {static_cast<std::int64_t>(8 * k_count)});
+  for (std::size_t k = 0; k < k_count; ++k) {
+    const auto rows = torch::indexing::Slice(static_cast<std::int64_t>(8 * k), static_cast<std::int64_t>(8 * (k + 1)));
+    torch::nn::functional::cross_entropy(r[k]->forward(x.index({rows})), y.index({rows})).backward();
+  }
+  return r;
+}
 
 /// A body and two heads; the aux head takes part in the loss only where asked.
 struct TwoHeadsImpl : torch::nn::Cloneable<TwoHeadsImpl> {
