@@ -202,20 +202,6 @@ inline std::string describe_number(double x) {
   return std::string(text, end);
 }
 
-/// How many towers weigh more than 0 (summary::weighted_towers).
-inline std::size_t positive_weights(std::span<const double> weights) noexcept {
-  return static_cast<std::size_t>(std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
-}
-
-/// The divisor of a call over `towers` towers: their weights summed in tower order, or the tower
-/// count when no weights are given.
-inline double weight_sum(std::span<const double> weights, std::size_t towers) noexcept {
-  if (weights.empty()) return static_cast<double>(towers);
-  double sum = 0;
-  for (double w : weights) sum += w;
-  return sum;
-}
-
 /// Whether a sum of weights can be the divisor in the accumulator type whose largest finite value
 /// is accumulator_max: positive, normal and finite there.
 inline bool usable_weight_sum(double sum, double accumulator_max) noexcept {

@@ -9,16 +9,16 @@
 #include <cstddef>
 #include <limits>
 #include <ranges>
+#include <span>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
-#include "elements.hpp"
+#include "access.hpp"
 #include "isa.hpp"
 #include "kernel.hpp"
 #include "parallel.hpp"
 #include "segment_walk.hpp"
-#include "validate.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
 #include "../executor.hpp"
@@ -33,11 +33,39 @@ namespace detail {
 
 struct deduce_tensor {};
 
+/// How many towers weigh more than 0 (summary::weighted_towers).
+inline std::size_t positive_weights(std::span<const double> weights) noexcept {
+  return static_cast<std::size_t>(std::count_if(weights.begin(), weights.end(), [](double w) { return w > 0; }));
+}
+
+/// The divisor of a call over `towers` towers: their weights summed in tower order, or the tower
+/// count when no weights are given.
+inline double weight_sum(std::span<const double> weights, std::size_t towers) noexcept {
+  if (weights.empty()) return static_cast<double>(towers);
+  double sum = 0;
+  for (double w : weights) sum += w;
+  return sum;
+}
+
 /// Whether options ask for anything beyond the plain mean (and squares).
 inline bool fused_requested(const options& opts) noexcept {
   const compute_options& c = opts.compute;
   return !c.weights.empty() || c.scale != 1.0 || c.on_nonfinite != nonfinite_policy::ignore || c.statistics ||
          !c.per_variable.empty();
+}
+
+/// How many of `variables` variables, laid end to end in the flat range of all of them with
+/// size(i) elements each, have at least one element in [begin, end): the variables a partial
+/// call writes (summary::averaged), in one process and across processes.
+template <class Size>
+std::size_t variables_in_range(std::size_t variables, Size&& size, std::size_t begin, std::size_t end) {
+  std::size_t written = 0, offset = 0;
+  for (std::size_t i = 0; i < variables; ++i) {
+    const std::size_t n = size(i);
+    written += n != 0 && begin < end && offset < end && offset + n > begin ? 1 : 0;
+    offset += n;
+  }
+  return written;
 }
 
 /// What the pass over all variables reports (summary's counts except skipped).
@@ -76,7 +104,9 @@ class pass_run {
     const options& opts = *w.opts;
     pass_result result;
     result.whole_range = w.range_begin == 0 && w.range_end == w.table.total;
-    if (!result.whole_range) result.written = variables_in_range();
+    if (!result.whole_range)
+      result.written = variables_in_range(w.variables, [&](std::size_t i) { return w.size_of(i); }, w.range_begin,
+                                          w.range_end);
     const std::size_t n = w.range_end - w.range_begin;
     if (n == 0) return result;
 
@@ -99,18 +129,6 @@ class pass_run {
   }
 
  private:
-  /// Partial range: the variables with at least one element in it.
-  std::size_t variables_in_range() const {
-    const segment_walk<S, Acc, O>& w = walk_;
-    std::size_t written = 0, offset = 0;
-    for (std::size_t i = 0; i < w.variables; ++i) {
-      const std::size_t size = w.size_of(i);
-      written += size != 0 && w.range_begin < w.range_end && offset < w.range_end && offset + size > w.range_begin ? 1 : 0;
-      offset += size;
-    }
-    return written;
-  }
-
   /// The segments' records folded in order (statistics_fold): variables over several segments
   /// piece by piece, then finished; the sums over everything.
   void combine_records(pass_result& result) const {

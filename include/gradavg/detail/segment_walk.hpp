@@ -9,10 +9,10 @@
 #include <limits>
 #include <type_traits>
 
+#include "access.hpp"
 #include "isa.hpp"
 #include "kernel.hpp"
 #include "ordered_statistics.hpp"
-#include "validate.hpp"
 #include "../options.hpp"
 #include "../statistics.hpp"
 
