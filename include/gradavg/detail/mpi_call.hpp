@@ -195,6 +195,39 @@ struct call : data_path<TG, Means, Squares, S, O> {
     return any_present;
   }
 
+  /// The checks of a call whose plan does not hold: every check of the one-process call
+  /// (validate_into, its options' and the weights'), the per-variable words, this rank's tables
+  /// and buffers (prepare()), and the proof kept in the plan where there is one. A gradient
+  /// missing on some towers is decided with every rank's presence (the same error on every rank).
+  void check_unplanned(std::uint64_t* header) {
+    gradavg::detail::layout_proof* const proof = planned != nullptr ? gradavg::detail::proving_into(*planned) : nullptr;
+    bool proved = true;
+    gradavg::detail::validated v;
+    gradavg::detail::check_scratch scratch;  // holds the layout until prepare() has read it
+    bool any_present = false;
+    auto seen = [&](std::size_t i, const auto& variable, const shape* dims) {
+      put_variable_words(i, dims != nullptr ? present_everywhere : absent_everywhere, variable, dims);
+      any_present = any_present || dims != nullptr;
+    };
+    try {
+      v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof, seen);
+    } catch (const missing_gradient_error&) {
+      proved = false;
+    }
+    gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
+    if (proved) gradavg::detail::check_weights_apart(tg, v.layout, variables, towers, sizeof(O), local);
+    if (planned != nullptr && proved) {
+      gradavg::detail::keep_proof<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, v,
+                                        opts.check.aliasing);
+      gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
+    }
+    if (!proved) any_present = fill_variable_words();
+    // A rank that reads no gradient moves no data: its element types (run-time ones are only
+    // known from a gradient) are not compared; the presence check decides.
+    if (!any_present) header[h_types] = 0;
+    prepare(proved ? &v.layout : nullptr);
+  }
+
   /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
   /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
   /// [variable words (V * variable_words)] [their reduction] [sizes, offsets (2V)]
@@ -204,64 +237,36 @@ struct call : data_path<TG, Means, Squares, S, O> {
   std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header, std::size_t* failed_variable) {
     *failed_variable = error::npos;
     fill_header(header);
-    std::exception_ptr failure = prior;
-    if (!failure) {
-      try {
-        towers = std::ranges::size(tg);
-        variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
-        header[h_variables] = variables;
-        const std::size_t P = static_cast<std::size_t>(ranks);
-        work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
-        const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
-        if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
-          throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
-                             "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-        gradavg::shared_detail::require_named(opts.exchange.method, exchange_method::point_to_point, "options.exchange.method");
-        plan_here = plan_state_here(header);
-        if (plan_here != plan_state::lapsed) {
-          gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
-          restore_own_words();
-          const auto proved_table = gradavg::detail::plan_access::proof(*planned).table();
-          gradavg::detail::check_weights_apart(tg, proved_table, variables, towers, sizeof(O), local);
-          prepare(&proved_table);
-          return failure;
-        }
-        gradavg::detail::layout_proof* const proof =
-            planned != nullptr ? gradavg::detail::proving_into(*planned) : nullptr;
-        bool proved = true;
-        gradavg::detail::validated v;
-        gradavg::detail::check_scratch scratch;  // holds the layout until prepare() has read it
-        bool any_present = false;
-        auto seen = [&](std::size_t i, const auto& variable, const shape* dims) {
-          put_variable_words(i, dims != nullptr ? present_everywhere : absent_everywhere, variable, dims);
-          any_present = any_present || dims != nullptr;
-        };
-        try {
-          v = gradavg::detail::validate_into<TG, Means, Squares, S, O>(tg, means, squares, local, scratch, proof, seen);
-        } catch (const missing_gradient_error&) {
-          // Decided with every rank's presence below (the same error on every rank).
-          proved = false;
-        }
-        gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
-        if (proved) gradavg::detail::check_weights_apart(tg, v.layout, variables, towers, sizeof(O), local);
-        if (planned != nullptr && proved) {
-          gradavg::detail::keep_proof<S, O>(*planned, &gradavg::shared_detail::signature_of<TG, Means, Squares>, tg, v,
-                                            opts.check.aliasing);
-          gradavg::detail::plan_access::agreed(*planned).reserve(agreed_words());  // keep_agreement's room
-        }
-        if (!proved) any_present = fill_variable_words();
-        // A rank that reads no gradient moves no data: its element types (run-time ones are only
-        // known from a gradient) are not compared; the presence check decides.
-        if (!any_present) header[h_types] = 0;
-        prepare(proved ? &v.layout : nullptr);
-      } catch (const error& e) {
-        failure = std::current_exception();
-        *failed_variable = e.variable_index();
-      } catch (...) {
-        failure = std::current_exception();
+    if (prior) return prior;
+    try {
+      towers = std::ranges::size(tg);
+      variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
+      header[h_variables] = variables;
+      const std::size_t P = static_cast<std::size_t>(ranks);
+      work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
+      const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
+      if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
+        throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
+                           "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+      gradavg::shared_detail::require_named(opts.exchange.method, exchange_method::point_to_point,
+                                            "options.exchange.method");
+      plan_here = plan_state_here(header);
+      if (plan_here == plan_state::lapsed) {
+        check_unplanned(header);
+        return nullptr;
       }
+      gradavg::detail::validate_options(local, towers, variables, gradavg::detail::accumulator_max<S>(local), true);
+      restore_own_words();
+      const auto proved_table = gradavg::detail::plan_access::proof(*planned).table();
+      gradavg::detail::check_weights_apart(tg, proved_table, variables, towers, sizeof(O), local);
+      prepare(&proved_table);
+      return nullptr;
+    } catch (const error& e) {
+      *failed_variable = e.variable_index();
+      return std::current_exception();
+    } catch (...) {
+      return std::current_exception();
     }
-    return failure;
   }
 
   /// Throws the error every rank agrees on from the gathered headers, if any. Allocates nothing

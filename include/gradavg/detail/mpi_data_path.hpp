@@ -334,48 +334,33 @@ struct data_path {
     progress();
   }
 
-  /// The data path: every bucket filled, exchanged, gathered and unpacked, three in flight.
-  template <class Acc>
-  summary run() {
+  /// The summary's counts from the gathered headers and the reduced per-variable words, and the
+  /// divisor (weight_sum): the same on every rank.
+  summary counts() {
     const std::uint64_t* headers = work.words.data();
-    std::size_t total_towers = 0, weighted_towers = 0;
+    summary result;
     for (int r = 0; r < ranks; ++r) {
-      total_towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
-      weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
+      result.towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
+      result.weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
     }
     weight_sum = total_weight(headers);
     const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
-    std::size_t averaged = 0;
     for (std::size_t i = 0; i < variables; ++i)
-      averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
-
-    summary result;
-    result.skipped = variables - averaged;
-    result.towers = total_towers;
-    result.weighted_towers = weighted_towers;
+      result.averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
+    result.skipped = variables - result.averaged;
     result.statistics = opts.compute.statistics;
-    const bool whole = range_begin == 0 && range_end == total;
-    result.averaged = averaged;
-    if (!whole) {
-      result.averaged = 0;
-      for (std::size_t i = 0; i < variables; ++i)
-        result.averaged += size_of(i) != 0 && range_begin < range_end && offset_of(i) < range_end &&
-                                   offset_of(i) + size_of(i) > range_begin
-                               ? 1
-                               : 0;
-    }
-    if (range_begin >= range_end) {
-      if (opts.compute.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
-      return result;
-    }
-    const double* weights = opts.compute.weights.empty() ? nullptr : opts.compute.weights.data();
-    fused = weights != nullptr || opts.compute.scale != 1.0 || detect();
-    params = {weights, opts.compute.scale, static_cast<Buf>(opts.compute.scale), detect(), false};
-    walk_variable = 0;
-    nonfinite_variables = 0;
-    gradavg::detail::flat_statistics<Acc> stats(range_begin, range_end);
-    // The pipeline: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception
-    // in this rank's kernel its contributions are zeros: the messages every rank waits for flow.
+    if (range_begin != 0 || range_end != total)
+      result.averaged = gradavg::detail::variables_in_range(
+          variables, [&](std::size_t i) { return size_of(i); }, range_begin, range_end);
+    return result;
+  }
+
+  /// Every bucket filled, exchanged, gathered and unpacked (its statistics into stats), three in
+  /// flight: bucket b filled while b-1 is exchanged and b-2 gathered. After an exception in this
+  /// rank's kernel its contributions are zeros, so that the messages every rank waits for flow;
+  /// the exception is returned.
+  template <class Acc>
+  std::exception_ptr pipeline(gradavg::detail::flat_statistics<Acc>& stats) {
     std::exception_ptr failure;
     bucket_shape shapes[3];
     for (std::size_t b = 0; b < buckets + 2; ++b) {
@@ -392,13 +377,28 @@ struct data_path {
         if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
         slices().start(shapes[b % 3].len, bs);
       }
-      if (b >= 1 && b - 1 < buckets) {
-        bucket_set& bs = set[(b - 1) % 3];
-        slices().reduce_and_gather(shapes[(b - 1) % 3].len, bs);
-      }
+      if (b >= 1 && b - 1 < buckets) slices().reduce_and_gather(shapes[(b - 1) % 3].len, set[(b - 1) % 3]);
       if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3], stats);
     }
-    // The last collective: the lowest rank whose kernel failed, if any.
+    return failure;
+  }
+
+  /// The data path: the pipeline over every bucket, then the last collective (the lowest rank
+  /// whose kernel failed, if any), and the call's summary.
+  template <class Acc>
+  summary run() {
+    summary result = counts();
+    if (range_begin >= range_end) {
+      if (opts.compute.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
+      return result;
+    }
+    const double* weights = opts.compute.weights.empty() ? nullptr : opts.compute.weights.data();
+    fused = weights != nullptr || opts.compute.scale != 1.0 || detect();
+    params = {weights, opts.compute.scale, static_cast<Buf>(opts.compute.scale), detect(), false};
+    walk_variable = 0;
+    nonfinite_variables = 0;
+    gradavg::detail::flat_statistics<Acc> stats(range_begin, range_end);
+    const std::exception_ptr failure = pipeline<Acc>(stats);
     int failed_rank = failure ? rank : ranks;
     check(MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
     if (failed.call != nullptr) check(failed.code, failed.call);
