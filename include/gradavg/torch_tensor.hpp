@@ -127,10 +127,9 @@ struct tensor_traits<at::Tensor> {
   static std::string describe(const at::Tensor& t) {
     std::string s = c10::str(t.sizes());
     if (t.is_contiguous()) return s;
-    s += " with strides " + c10::str(t.strides()) + ", memory order [";
     const gradavg::shape m = shared_detail::memory_order_shape(t);
-    for (std::size_t d = 0; d < m.rank; ++d) s += (d ? ", " : "") + std::to_string(m.dims[d]);
-    return s + "]";
+    return s + " with strides " + c10::str(t.strides()) + ", memory order " +
+           c10::str(at::IntArrayRef(m.dims.data(), m.rank));
   }
   static result_type make(const gradavg::shape& s, element_type e) {
     return at::empty(at::IntArrayRef(s.dims.data(), s.rank), at::TensorOptions().dtype(shared_detail::scalar_type_of(e)));

@@ -211,8 +211,9 @@ inline bool usable_weight_sum(double sum, double accumulator_max) noexcept {
 }
 
 /// Checks the options — every enumeration holds a named value; the fused step's against T towers
-/// and V variables — (option_error, weight_error), before anything is written. accumulator_max: the largest finite value of the
-/// accumulator type, which the scale, every weight and the weights' sum are converted to.
+/// and V variables — (option_error, weight_error), before anything is written. accumulator_max:
+/// the largest finite value of the accumulator type, which the scale, every weight and the
+/// weights' sum are converted to.
 /// partial_weights: the towers are one rank's part of a call across ranks (gradavg::mpi): their
 /// weights may sum to 0 (the sum over every rank is checked once the ranks' sums are known).
 inline void validate_options(const options& opts, std::size_t towers, std::size_t variables,
