@@ -86,4 +86,10 @@ class statistics_error : public error {
   using error::error;
 };
 
+/// Across processes: another rank's own validation failed, or its kernel threw (that rank throws
+/// the detailed error); variable_index() is the variable it named, or npos.
+class remote_error : public error {
+  using error::error;
+};
+
 }  // namespace gradavg

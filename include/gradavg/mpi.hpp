@@ -70,7 +70,7 @@
 #include <concepts>
 
 #include "average.hpp"
-#include "detail/mpi_call.hpp"
+#include "detail/mpi/call.hpp"
 #include "mpi_options.hpp"
 
 namespace gradavg {

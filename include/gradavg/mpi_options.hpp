@@ -18,16 +18,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "detail/processes/workspace.hpp"
 #include "errors.hpp"
 #include "options.hpp"
 
 namespace gradavg {
-
-/// Another rank's own validation failed, or its kernel threw (that rank throws the detailed
-/// error); variable_index() is the variable it named, or npos.
-class remote_error : public error {
-  using error::error;
-};
 
 /// MPI cannot take the call (not initialised, finalised, a null or an inter-communicator), or an
 /// MPI call returned an error code (a communicator whose error handler returns them).
@@ -66,15 +61,12 @@ class workspace;
 
 namespace shared_detail {
 
-/// What a workspace keeps: the calls' tables and fusion buffers.
-struct buffers {
-  std::vector<std::byte> buffers;
-  std::vector<std::uint64_t> words;
+/// What a workspace keeps: the calls' tables and fusion buffers, and MPI's state of the buckets
+/// in flight (detail/mpi/transport.hpp).
+struct buffers : gradavg::shared_detail::process_buffers {
   std::vector<MPI_Request> requests;
-  std::vector<int> counts;  // exchange_method::collectives: counts and displacements
-  std::vector<const void*> towers;
-  std::vector<void*> outputs;
-  std::vector<unsigned char> nonfinite;  // per variable: a non-finite input on some rank
+  std::vector<int> counts;   // exchange_method::collectives: counts and displacements
+  std::vector<int> pending;  // per bucket in flight: its requests in use
 };
 
 /// The calls' way in (every level's).

@@ -57,7 +57,7 @@ inline void agree_presence(MPI_Comm comm, presence& seen, const module_options& 
 /// FNV-1a of a replica's parameters or buffers as every rank must hold them: names, whether
 /// defined, dtypes, sizes and memory-order shapes.
 inline std::uint64_t state_fingerprint(const ::torch::OrderedDict<std::string, at::Tensor>& state) {
-  using gradavg::mpi::detail::fnv;
+  using gradavg::detail::processes::fnv;
   std::uint64_t h = fnv("gradavg state", 13);
   for (const auto& item : state) {
     h = fnv(item.key().data(), item.key().size() + 1, h);  // with its terminating null

@@ -1,67 +1,29 @@
-// gradavg internals: what every rank of a gradavg::mpi call shares before its data path — MPI
-// error checks, the communicator's checks, the fingerprints and header words agreed on, and the
-// words of the errors that name ranks.
+// gradavg internals: what every rank of a call across processes agrees on before its data path,
+// whatever the transport: the fingerprints, the header and per-variable words every rank
+// contributes, the record gathered on a per-variable error, and the words of the errors that name
+// ranks.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
-#include "../average.hpp"
-#include "../mpi_options.hpp"
+#include "../check.hpp"
+#include "../elements.hpp"
+#include "../isa.hpp"
+#include "../messages.hpp"
+#include "../../errors.hpp"
+#include "../../tensor.hpp"
 
 namespace gradavg {
-namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-
-namespace detail {
-
-using gradavg::detail::describe_shape;
-using gradavg::detail::describe_towers;
-using gradavg::detail::describe_variable_at;
-
-/// Throws mpi_error naming the MPI function and MPI's own words for the code, unless rc is
-/// MPI_SUCCESS.
-inline void check(int rc, const char* function) {
-  if (rc == MPI_SUCCESS) return;
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  if (MPI_Error_string(rc, text, &length) != MPI_SUCCESS) length = 0;
-  throw mpi_error("gradavg::mpi: " + std::string(function) + " returned error " + std::to_string(rc) +
-                  (length > 0 ? " (" + std::string(text, static_cast<std::size_t>(length)) + ")" : std::string()));
-}
-
-/// What can be checked before a collective call: MPI initialised and not finalised, comm neither
-/// MPI_COMM_NULL nor an inter-communicator (mpi_error). Every rank that passes such a comm throws.
-inline void check_communicator(MPI_Comm comm) {
-  int initialized = 0, finalized = 0;
-  check(MPI_Initialized(&initialized), "MPI_Initialized");
-  check(MPI_Finalized(&finalized), "MPI_Finalized");
-  if (!initialized)
-    throw mpi_error("gradavg::mpi: MPI is not initialised; call MPI_Init (or MPI_Init_thread) first");
-  if (finalized) throw mpi_error("gradavg::mpi: MPI is finalised; no MPI call can be made after MPI_Finalize");
-  if (comm == MPI_COMM_NULL) throw mpi_error("gradavg::mpi: the communicator is MPI_COMM_NULL");
-  int inter = 0;
-  check(MPI_Comm_test_inter(comm, &inter), "MPI_Comm_test_inter");
-  if (inter)
-    throw mpi_error("gradavg::mpi: the communicator is an inter-communicator; pass an intra-communicator "
-                    "(MPI_Intercomm_merge makes one)");
-}
-
-inline int comm_rank(MPI_Comm comm) {
-  int r = 0;
-  check(MPI_Comm_rank(comm, &r), "MPI_Comm_rank");
-  return r;
-}
-inline int comm_size(MPI_Comm comm) {
-  int n = 0;
-  check(MPI_Comm_size(comm, &n), "MPI_Comm_size");
-  return n;
-}
+namespace detail::processes {
 
 /// FNV-1a over bytes, never 0 (0 means "nothing to compare" in the reductions).
 inline std::uint64_t fnv(const void* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) noexcept {
@@ -145,10 +107,6 @@ inline std::string types_of(std::uint64_t codes) {
   return name(codes & 0xff) + " gradients into " + name(codes >> 8) + " outputs";
 }
 
-/// The tags of the data path's point-to-point messages on the caller's communicator.
-inline constexpr int exchange_tag = 0x4741;  // contributions to a slice's owner
-inline constexpr int gather_tag = 0x4742;    // summed slices back from their owner
-
 /// "rank 2", "ranks 1, 2 and 5", "ranks 1, 2, ... (40 in all)": at most 16 listed.
 inline std::string rank_list(const std::vector<int>& ranks) {
   const std::size_t listed = std::min<std::size_t>(ranks.size(), 16);
@@ -195,22 +153,90 @@ inline std::uint64_t double_to_bits(double d) noexcept {
   return u;
 }
 
-/// The first variable whose words disagree, and how: 0 none, 1 identity, 2 presence, 3 shape.
-inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduced, std::size_t count) {
+/// The divisor: every rank's weight sum (h_weight_sum) from the gathered headers, added in rank
+/// order: the same value on every rank.
+inline double weight_sum_of(const std::uint64_t* all, int ranks) noexcept {
+  double sum = 0;
+  for (int r = 0; r < ranks; ++r) sum += bits_to_double(all[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
+  return sum;
+}
+
+/// Throws the error every rank agrees on from every rank's header (all, rank order), if any:
+/// variable counts, element types (among the ranks that read a gradient), the options every rank
+/// passes alike, and the divisor, weight_sum, against the accumulator's largest value. The
+/// messages begin with caller. Allocates nothing unless ranks disagree (then every rank throws).
+inline void agree_on_headers(const char* caller, const std::uint64_t* all, int ranks, double weight_sum,
+                             double accumulator_max) {
+  auto field = [&](int r, header_field f) { return all[static_cast<std::size_t>(r) * header_words + f]; };
+  auto every_rank = [](int) { return true; };
+  auto split_on = [&](header_field f) {
+    for (int r = 1; r < ranks; ++r)
+      if (field(r, f) != field(0, f)) return split_ranks(ranks, [&](int q) { return field(q, f); }, every_rank);
+    return rank_split{};
+  };
+  if (const rank_split d = split_on(h_variables); !d.odd.empty())
+    throw tower_error(std::string(caller) + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "holds", "hold") + " " +
+                      std::to_string(field(d.odd.front(), h_variables)) + " variables but " + rank_list(d.common) +
+                      " " + verb_s(d.common, "holds", "hold") + " " +
+                      std::to_string(field(d.common.front(), h_variables)) +
+                      "; every rank must list the same variables in the same order");
+  struct named {
+    header_field f;
+    const char* what;
+  };
+  {
+    // Among the ranks that read a gradient (a rank whose variables are all skipped reads none).
+    auto reads = [&](int r) { return field(r, h_types) != 0; };
+    bool differ = false;
+    for (int r = 0, first = -1; r < ranks && !differ; ++r)
+      if (reads(r)) {
+        if (first < 0) first = r;
+        differ = field(r, h_types) != field(first, h_types);
+      }
+    const rank_split d = differ ? split_ranks(ranks, [&](int r) { return field(r, h_types); }, reads) : rank_split{};
+    if (!d.odd.empty())
+      throw option_error(std::string(caller) + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "passes ", "pass ") +
+                         types_of(field(d.odd.front(), h_types)) + " but " + rank_list(d.common) + " " +
+                         verb_s(d.common, "passes ", "pass ") + types_of(field(d.common.front(), h_types)) +
+                         "; every rank must pass the same element types");
+  }
+  for (const named& n : {named{h_squares, "whether squares outputs are passed"},
+                         named{h_policy, "options.compute.on_nonfinite, statistics or accumulate"},
+                         named{h_range_begin, "options.compute.range"}, named{h_range_end, "options.compute.range"},
+                         named{h_fusion_bytes, "options.exchange.fusion_bytes"},
+                         named{h_scale, "options.compute.scale"},
+                         named{h_per_variable, "whether options.compute.per_variable is passed"},
+                         named{h_exchange, "options.exchange.method"}})
+    if (const rank_split d = split_on(n.f); !d.odd.empty())
+      throw option_error(std::string(caller) + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
+                         " a different " + std::string(n.what) + " than " + rank_list(d.common) +
+                         "; every rank must pass the same");
+  if (!gradavg::detail::usable_weight_sum(weight_sum, accumulator_max))
+    throw weight_error(std::string(caller) + ": options.compute.weights sum to " +
+                       gradavg::detail::describe_number(weight_sum) +
+                       " over the towers of every rank; that sum must be positive and finite (a normal number in "
+                       "the accumulator type); one rank's may be 0");
+}
+
+/// How the ranks' words about one variable disagree, in the order they are looked for.
+enum class disagreement : unsigned char { none, identity, presence, dimensions };
+
+/// The first variable whose words disagree, and how (disagreement::none: every variable agrees).
+inline std::pair<std::size_t, disagreement> first_disagreement(const std::uint64_t* reduced, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) {
     const std::uint64_t* w = reduced + i * variable_words;
     const std::uint64_t id_max = w[v_identity], id_min = ~w[v_identity_min];
-    if (id_max != 0 && w[v_identity_min] != 0 && id_max != id_min) return {i, 1};
+    if (id_max != 0 && w[v_identity_min] != 0 && id_max != id_min) return {i, disagreement::identity};
     const std::uint64_t st_max = w[v_state], st_min = ~w[v_state_min];
-    if (st_max != st_min || st_max == partial) return {i, 2};
-    if (st_max == present_everywhere && w[v_shape] != ~w[v_shape_min]) return {i, 3};
+    if (st_max != st_min || st_max == partial) return {i, disagreement::presence};
+    if (st_max == present_everywhere && w[v_shape] != ~w[v_shape_min]) return {i, disagreement::dimensions};
   }
-  return {count, 0};
+  return {count, disagreement::none};
 }
 
 /// Throws the error of kind `how` (first_disagreement) about variable i, named `name`, from every
 /// rank's record of it (all: ranks records of record_words each), the same on every rank.
-[[noreturn]] inline void throw_variable_disagreement(const std::string& name, std::size_t i, int how,
+[[noreturn]] inline void throw_variable_disagreement(const std::string& name, std::size_t i, disagreement how,
                                                      const std::uint64_t* all, int ranks) {
   auto rec = [&](int r) { return all + static_cast<std::size_t>(r) * record_words; };
   auto shape_of = [&](int r) {
@@ -220,7 +246,7 @@ inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduc
     t.order = static_cast<storage_order>(rec(r)[r_rank_dims + 1 + shape::max_rank]);
     return t;
   };
-  if (how == 1) {
+  if (how == disagreement::identity) {
     const rank_split d = split_ranks(
         ranks, [&](int r) { return rec(r)[r_identity]; }, [](int) { return true; });
     throw variable_mismatch_error(name + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "has", "have") +
@@ -229,7 +255,7 @@ inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduc
                                       "the same variables in the same order",
                                   i);
   }
-  if (how == 2) {
+  if (how == disagreement::presence) {
     std::string missing, holding;
     std::size_t total = 0, total_present = 0;
     for (int r = 0; r < ranks; ++r) {
@@ -261,7 +287,6 @@ inline std::pair<std::size_t, int> first_disagreement(const std::uint64_t* reduc
                     i);
 }
 
-}  // namespace detail
+}  // namespace detail::processes
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace mpi
 }  // namespace gradavg

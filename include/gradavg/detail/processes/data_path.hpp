@@ -1,6 +1,7 @@
-// gradavg internals: the data path of one gradavg::mpi call — this rank's tables and fusion
+// gradavg internals: the data path of one call across processes — this rank's tables and fusion
 // buffers, then the buckets' fill, exchange and unpack (the file comment of <gradavg/mpi.hpp>
-// describes them). mpi_call.hpp's call runs it once every rank has agreed.
+// describes them), over any transport (exchange.hpp). call.hpp's call runs it once every rank
+// has agreed.
 #pragma once
 
 #include <algorithm>
@@ -15,45 +16,42 @@
 #include <utility>
 #include <vector>
 
-#include "../average.hpp"
-#include "ordered_statistics.hpp"
-#include "mpi_slices.hpp"
-#include "mpi_support.hpp"
+#include "agreement.hpp"
+#include "exchange.hpp"
+#include "workspace.hpp"
+#include "../into.hpp"
+#include "../isa.hpp"
+#include "../ordered_statistics.hpp"
+#include "../../errors.hpp"
+#include "../../statistics.hpp"
 
 namespace gradavg {
-namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace detail {
+namespace detail::processes {
 
-/// The data path of one call: TG the towers, Means/Squares the output ranges (Squares = no_outputs:
-/// none), S and O the element types the gradients are read as and the outputs written as
-/// (value_types, or the run-time types this rank found), Buf the fusion buffer's element type.
-template <class TG, class Means, class Squares, class S, class O>
+/// The data path of one call over Transport: TG the towers, Means/Squares the output ranges
+/// (Squares = no_outputs: none), S and O the element types the gradients are read as and the
+/// outputs written as (value_types, or the run-time types this rank found), Buf the fusion
+/// buffer's element type.
+template <transport Transport, class TG, class Means, class Squares, class S, class O>
 struct data_path {
   using Buf = gradavg::detail::accumulator_t<S>;
+  using options_type = typename Transport::options_type;
+  using exchange_type = owner_sum<Transport, Buf>;  // the exchange strategy
   static constexpr bool with_squares = gradavg::detail::outputs_passed<Squares>;
 
-  MPI_Comm comm;
+  Transport& wire;
   const TG& tg;
   Means& means;
   Squares* squares;
-  const mpi::options& opts;
-  shared_detail::buffers& work;
+  const options_type& opts;
+  gradavg::shared_detail::process_buffers& work;
   const gradavg::options local = opts.local();  // the groups the one-process code takes
-  int rank = 0, ranks = 1;
+  int rank = wire.rank(), ranks = wire.ranks();
   std::size_t towers = 0, variables = 0;
-  first_mpi_failure failed{};
-  void note(int rc, const char* function) noexcept { failed.note(rc, function); }
 
-  /// The divisor: every rank's weight sum from the gathered headers, added in rank order (the same
-  /// value on every rank, checked in agreement and used by the data path).
-  double total_weight(const std::uint64_t* all) const noexcept {
-    double sum = 0;
-    for (int r = 0; r < ranks; ++r)
-      sum += bits_to_double(all[static_cast<std::size_t>(r) * header_words + h_weight_sum]);
-    return sum;
-  }
-
+  /// The divisor from the gathered headers (agreement.hpp).
+  double total_weight(const std::uint64_t* all) const noexcept { return weight_sum_of(all, ranks); }
 
   /// The towers of one variable from element `offset` on, for the kernel's tower_reader.
   struct piece_towers {
@@ -65,19 +63,16 @@ struct data_path {
     }
   };
 
-  using bucket_set = slice_buffers<Buf>;
+  using bucket_set = bucket_buffers<Buf>;
 
   // ---- Preparation: every table and buffer the data path uses, before any collective. ----
 
-  /// Each variable's element count and first flat element, in work.words (prepare()).
-  std::uint64_t* sizes = nullptr;
-  /// Bucket geometry and the buffers behind it (prepare()).
+  std::uint64_t* sizes = nullptr;  // each variable's element count and first flat element
   std::size_t total = 0;            // elements of the variables present on every local tower
   std::size_t range_begin = 0, range_end = 0;
   std::size_t bucket_elements = 0, buckets = 0;
   bool stream_outputs = false;  // options.run.stores decided for this rank's data (prepare())
   bucket_set set[3] = {};
-
   bool squares_in_buffer() const noexcept { return with_squares || opts.compute.statistics; }
   bool detect() const noexcept { return opts.compute.on_nonfinite != nonfinite_policy::ignore; }
 
@@ -116,24 +111,19 @@ struct data_path {
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
     const std::size_t asked = opts.exchange.fusion_bytes;
-    const std::size_t fusion_bytes = asked != 0 ? asked : mpi::automatic_fusion_bytes(ranks);
+    const std::size_t fusion_bytes = asked != 0 ? asked : wire.automatic_fusion_bytes();
     bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
     const std::size_t n = range_end - range_begin;
     buckets = (n + bucket_elements - 1) / bucket_elements;
     // Most variables one bucket can touch: bounded by its elements and by the variable count.
     const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
     const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
-    const std::size_t max_slice = (max_len + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
     const std::size_t sets = std::min<std::size_t>(3, buckets);
-    const std::size_t set_elements = max_len + max_slice * static_cast<std::size_t>(ranks);
+    const std::size_t set_elements = max_len + exchange_type::received_elements(max_len, ranks);
     work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
-    const std::size_t P = static_cast<std::size_t>(ranks);
-    work.requests.assign(sets * 2 * P, MPI_REQUEST_NULL);
-    work.counts.resize(opts.exchange.method == mpi::exchange_method::collectives ? sets * 4 * P : 0);
-    for (std::size_t s = 0; s < sets; ++s)
-      set[s] = {base + s * set_elements, base + s * set_elements + max_len, work.requests.data() + s * 2 * P,
-                work.counts.empty() ? nullptr : work.counts.data() + s * 4 * P, 0};
+    wire.reserve(sets);
+    for (std::size_t s = 0; s < sets; ++s) set[s] = {base + s * set_elements, base + s * set_elements + max_len, s};
   }
 
   // ---- The data path, after agreement: tables and buffers only, no tensor_traits call and no
@@ -160,12 +150,8 @@ struct data_path {
   bool zero_nonfinite() const noexcept { return opts.compute.on_nonfinite == nonfinite_policy::zero; }
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
-  /// options.exchange.method: MPI_Ialltoallv and MPI_Iallgatherv (counts and displacements in
-  /// bytes, in slice_buffers::counts), or point-to-point messages (tags exchange_tag and gather_tag
-  /// on comm).
-  bool collectives() const noexcept { return opts.exchange.method == mpi::exchange_method::collectives; }
-  /// How this rank moves a bucket's slices (mpi_slices.hpp).
-  slice_exchange<Buf> slices() noexcept { return {comm, rank, ranks, collectives(), failed}; }
+  /// How a bucket's contributions move and are summed (exchange.hpp).
+  exchange_type exchange() noexcept { return {wire}; }
   /// Variable i's element count and first flat element (prepare()'s table).
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
   std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
@@ -185,18 +171,14 @@ struct data_path {
     return sh;
   }
 
-  /// Progress of outstanding nonblocking collectives while the kernel runs (MPI libraries
-  /// without a progress thread move data only inside MPI calls).
+  /// Progress of the buckets in flight while the kernel runs (exchange.hpp: transport::test).
   void progress() {
-    for (std::size_t s = 0; s < set_count(); ++s) {
-      int done = 0;
-      if (set[s].pending != 0)
-        note(MPI_Testall(set[s].pending, set[s].requests, &done, MPI_STATUSES_IGNORE), "MPI_Testall");
-    }
+    for (std::size_t s = 0; s < set_count(); ++s) exchange().progress(set[s]);
   }
 
-  /// Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let MPI
-  /// move the buckets in flight (only on the calling thread: MPI may be initialised for it alone).
+  /// Sums elements [lo, hi) of a bucket into its buffer; with_progress: between pieces, let the
+  /// transport move the buckets in flight (only on the calling thread: MPI, for one, may be
+  /// initialised for it alone).
   void fill_range(const bucket_shape& sh, Buf* buffer, std::size_t lo, std::size_t hi, bool with_progress) {
     const std::size_t elements = sh.end - sh.begin;
     Buf* sums = buffer;
@@ -248,9 +230,6 @@ struct data_path {
     gradavg::detail::run_chunks(chunks, chunk, local);
   }
 
-
-
-
   /// A variable whose last element in the range has been written: zeroed when the policy says,
   /// reported. sums: its statistics (options.compute.statistics; zeroed with it), or null.
   void finish_variable(std::size_t i, gradavg::detail::piece_result* sums) {
@@ -278,7 +257,7 @@ struct data_path {
   /// variables whose last element it holds.
   template <class Acc>
   void unpack(const bucket_shape& sh, bucket_set& bs, gradavg::detail::flat_statistics<Acc>& stats) {
-    slices().wait_all(bs);
+    exchange().finish(bs);
     const Acc divisor = static_cast<Acc>(weight_sum);
     bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
     const std::size_t elements = sh.end - sh.begin;
@@ -375,9 +354,9 @@ struct data_path {
           }
         }
         if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
-        slices().start(shapes[b % 3].len, bs);
+        exchange().start(shapes[b % 3].len, bs);
       }
-      if (b >= 1 && b - 1 < buckets) slices().reduce_and_gather(shapes[(b - 1) % 3].len, set[(b - 1) % 3]);
+      if (b >= 1 && b - 1 < buckets) exchange().reduce_and_gather(shapes[(b - 1) % 3].len, set[(b - 1) % 3]);
       if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3], stats);
     }
     return failure;
@@ -399,12 +378,12 @@ struct data_path {
     nonfinite_variables = 0;
     gradavg::detail::flat_statistics<Acc> stats(range_begin, range_end);
     const std::exception_ptr failure = pipeline<Acc>(stats);
-    int failed_rank = failure ? rank : ranks;
-    check(MPI_Allreduce(MPI_IN_PLACE, &failed_rank, 1, MPI_INT, MPI_MIN, comm), "MPI_Allreduce");
-    if (failed.call != nullptr) check(failed.code, failed.call);
+    std::uint64_t failed_rank = static_cast<std::uint64_t>(failure ? rank : ranks);
+    wire.min_words(&failed_rank, 1);
+    wire.rethrow_noted();
     if (failure) std::rethrow_exception(failure);
-    if (failed_rank < ranks)
-      throw remote_error("gradavg::mpi: rank " + std::to_string(failed_rank) +
+    if (failed_rank < static_cast<std::uint64_t>(ranks))
+      throw remote_error(std::string(Transport::caller) + ": rank " + std::to_string(failed_rank) +
                          " failed while averaging (an exception from user code there, after validation: see the "
                          "error thrown there); the outputs of this call are partly written on every rank");
     result.nonfinite_variables = nonfinite_variables;
@@ -416,8 +395,6 @@ struct data_path {
   }
 };
 
-}  // namespace detail
-
+}  // namespace detail::processes
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace mpi
 }  // namespace gradavg

@@ -1,5 +1,6 @@
-// gradavg internals: one gradavg::mpi call — the local checks and the agreement collectives,
-// then the data path (mpi_data_path.hpp); the file comment of <gradavg/mpi.hpp> describes them.
+// gradavg internals: one call across processes, over any transport (exchange.hpp) — the local
+// checks and the agreement collectives, then the data path (data_path.hpp); the file comment of
+// <gradavg/mpi.hpp> describes them.
 #pragma once
 
 #include <algorithm>
@@ -11,22 +12,26 @@
 #include <type_traits>
 #include <vector>
 
-#include "mpi_data_path.hpp"
-#include "mpi_support.hpp"
+#include "agreement.hpp"
+#include "data_path.hpp"
+#include "exchange.hpp"
+#include "../into.hpp"
+#include "../isa.hpp"
+#include "../../errors.hpp"
+#include "../../plan.hpp"
 
 namespace gradavg {
-namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
-namespace detail {
+namespace detail::processes {
 
 /// One call: this rank's checks and the agreement with every other rank, then the data path it
 /// derives from (the same template parameters).
-template <class TG, class Means, class Squares, class S, class O>
-struct call : data_path<TG, Means, Squares, S, O> {
-  using base = data_path<TG, Means, Squares, S, O>;
+template <transport Transport, class TG, class Means, class Squares, class S, class O>
+struct call : data_path<Transport, TG, Means, Squares, S, O> {
+  using base = data_path<Transport, TG, Means, Squares, S, O>;
   using typename base::Buf;
   using base::with_squares;
-  using base::comm;
+  using base::wire;
   using base::tg;
   using base::means;
   using base::squares;
@@ -68,11 +73,6 @@ struct call : data_path<TG, Means, Squares, S, O> {
   }
   std::size_t agreed_own_at() const noexcept { return agreed_reduced_at() + variable_word_count(); }
   std::size_t agreed_words() const noexcept { return agreed_own_at() + variable_word_count(); }
-  std::uint64_t comm_bits() const noexcept {
-    std::uint64_t bits = 0;
-    std::memcpy(&bits, &comm, std::min(sizeof comm, sizeof bits));
-    return bits;
-  }
 
   /// Header fields that may change from step to step without a new agreement on the variables:
   /// gathered again (collective 2) when they differ from the agreed ones.
@@ -92,8 +92,9 @@ struct call : data_path<TG, Means, Squares, S, O> {
       return plan_state::lapsed;
     if (plan_access::averaged(*planned) == 0) header[h_types] = 0;  // reads no gradient (local_checks)
     const std::vector<std::uint64_t>& agreed = plan_access::agreed(*planned);
-    if (agreed.size() != agreed_words() || agreed[0] != comm_bits() || agreed[1] != static_cast<std::uint64_t>(ranks) ||
-        agreed[2] != static_cast<std::uint64_t>(rank) || agreed[3] != variables)
+    if (agreed.size() != agreed_words() || agreed[0] != wire.identity() ||
+        agreed[1] != static_cast<std::uint64_t>(ranks) || agreed[2] != static_cast<std::uint64_t>(rank) ||
+        agreed[3] != variables)
       return plan_state::lapsed;
     bool step_values_differ = false;
     for (std::size_t f = 0; f < header_words; ++f)
@@ -108,7 +109,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
   void keep_agreement(const std::uint64_t* header) noexcept {
     std::vector<std::uint64_t>& agreed = gradavg::detail::plan_access::agreed(*planned);
     agreed.resize(agreed_words());
-    agreed[0] = comm_bits();
+    agreed[0] = wire.identity();
     agreed[1] = static_cast<std::uint64_t>(ranks);
     agreed[2] = static_cast<std::uint64_t>(rank);
     agreed[3] = variables;
@@ -151,7 +152,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
     header[h_types] = type_code<S>() | type_code<O>() << 8;
     header[h_scale] = double_to_bits(opts.compute.scale);
     header[h_per_variable] = opts.compute.per_variable.empty() ? 0 : 1;
-    header[h_exchange] = static_cast<std::uint64_t>(opts.exchange.method);
+    header[h_exchange] = wire.method_code();
     header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.compute.weights, std::ranges::size(tg)));
     header[h_weighted_towers] =
         opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
@@ -246,10 +247,10 @@ struct call : data_path<TG, Means, Squares, S, O> {
       work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
       const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
       if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
-        throw option_error("gradavg::mpi: options.exchange.fusion_bytes is " + std::to_string(fusion_bytes) +
+        throw option_error(std::string(Transport::caller) + ": options.exchange.fusion_bytes is " +
+                           std::to_string(fusion_bytes) +
                            "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-      gradavg::shared_detail::require_named(opts.exchange.method, exchange_method::point_to_point,
-                                            "options.exchange.method");
+      wire.check_options();
       plan_here = plan_state_here(header);
       if (plan_here == plan_state::lapsed) {
         check_unplanned(header);
@@ -269,62 +270,14 @@ struct call : data_path<TG, Means, Squares, S, O> {
     }
   }
 
-  /// Throws the error every rank agrees on from the gathered headers, if any. Allocates nothing
-  /// unless ranks disagree (then every rank throws).
+  /// Throws the error every rank agrees on from the gathered headers, if any (agreement.hpp).
   void agree_on_headers(const std::uint64_t* all) const {
-    auto field = [&](int r, header_field f) { return all[static_cast<std::size_t>(r) * header_words + f]; };
-    auto every_rank = [](int) { return true; };
-    auto split_on = [&](header_field f) {
-      for (int r = 1; r < ranks; ++r)
-        if (field(r, f) != field(0, f)) return split_ranks(ranks, [&](int q) { return field(q, f); }, every_rank);
-      return rank_split{};
-    };
-    if (const rank_split d = split_on(h_variables); !d.odd.empty())
-      throw tower_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "holds", "hold") + " " +
-                        std::to_string(field(d.odd.front(), h_variables)) + " variables but " + rank_list(d.common) +
-                        " " + verb_s(d.common, "holds", "hold") + " " +
-                        std::to_string(field(d.common.front(), h_variables)) +
-                        "; every rank must list the same variables in the same order");
-    struct named {
-      header_field f;
-      const char* what;
-    };
-    {
-      // Among the ranks that read a gradient (a rank whose variables are all skipped reads none).
-      auto reads = [&](int r) { return field(r, h_types) != 0; };
-      bool differ = false;
-      for (int r = 0, first = -1; r < ranks && !differ; ++r)
-        if (reads(r)) {
-          if (first < 0) first = r;
-          differ = field(r, h_types) != field(first, h_types);
-        }
-      const rank_split d = differ ? split_ranks(ranks, [&](int r) { return field(r, h_types); }, reads) : rank_split{};
-      if (!d.odd.empty())
-        throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes ", "pass ") +
-                           types_of(field(d.odd.front(), h_types)) + " but " + rank_list(d.common) + " " +
-                           verb_s(d.common, "passes ", "pass ") + types_of(field(d.common.front(), h_types)) +
-                           "; every rank must pass the same element types");
-    }
-    for (const named& n : {named{h_squares, "whether squares outputs are passed"},
-                           named{h_policy, "options.compute.on_nonfinite, statistics or accumulate"},
-                           named{h_range_begin, "options.compute.range"}, named{h_range_end, "options.compute.range"},
-                           named{h_fusion_bytes, "options.exchange.fusion_bytes"},
-                           named{h_scale, "options.compute.scale"},
-                           named{h_per_variable, "whether options.compute.per_variable is passed"},
-                           named{h_exchange, "options.exchange.method"}})
-      if (const rank_split d = split_on(n.f); !d.odd.empty())
-        throw option_error("gradavg::mpi: " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
-                           " a different " + std::string(n.what) + " than " + rank_list(d.common) +
-                           "; every rank must pass the same");
-    const double weight_sum = total_weight(all);
-    if (!gradavg::detail::usable_weight_sum(weight_sum, gradavg::detail::accumulator_max<S>(local)))
-      throw weight_error("gradavg::mpi: options.compute.weights sum to " + gradavg::detail::describe_number(weight_sum) +
-                         " over the towers of every rank; that sum must be positive and finite (a normal number in "
-                         "the accumulator type); one rank's may be 0");
+    processes::agree_on_headers(Transport::caller, all, ranks, total_weight(all),
+                                gradavg::detail::accumulator_max<S>(local));
   }
 
   /// Gathers every rank's record of variable i and throws the error of kind `how`.
-  [[noreturn]] void throw_variable_error(std::size_t i, int how) {
+  [[noreturn]] void throw_variable_error(std::size_t i, disagreement how) {
     // This rank's record, then every rank's, in the space local_checks reserved: the gather
     // allocates nothing, and an exception from tensor_traits here is rethrown only after it.
     std::uint64_t* const mine = work.words.data() + static_cast<std::size_t>(ranks) * header_words +
@@ -355,26 +308,24 @@ struct call : data_path<TG, Means, Squares, S, O> {
     mine[r_rank_dims] = s.rank;
     for (std::size_t d = 0; d < s.rank; ++d) mine[r_rank_dims + 1 + d] = static_cast<std::uint64_t>(s.dims[d]);
     mine[r_rank_dims + 1 + shape::max_rank] = static_cast<std::uint64_t>(s.order);
-    check(MPI_Allgather(mine, record_words, MPI_UINT64_T, all, record_words, MPI_UINT64_T, comm), "MPI_Allgather");
+    wire.gather_words(mine, all, record_words);
     if (reading) std::rethrow_exception(reading);
     throw_variable_disagreement(describe_variable_at(tg, i), i, how, all, ranks);
   }
 
   /// The call, in phases: local (validation, tables, buffers: everything that can throw before
   /// the data moves), then four collectives every rank enters whatever happened before each:
-  ///   1. two words, MPI_MIN: the lowest rank whose local phase failed (and its variable), and
+  ///   1. two words, minimum: the lowest rank whose local phase failed (and its variable), and
   ///      whether every rank's plan holds; on the stack, so that a failed allocation cannot keep a
   ///      rank out of it;
-  ///   2. the headers (MPI_Allgather): options, counts and element types agree;
-  ///   3. the per-variable words (MPI_Allreduce, MPI_MAX): presence, shapes, identities agree;
+  ///   2. the headers (gathered): options, counts and element types agree;
+  ///   3. the per-variable words (maximum): presence, shapes, identities agree;
   ///   4. after the data path, one word: the lowest rank whose kernel (executor) threw.
   /// When every rank's plan holds, 3 is what they agreed when the plans were proved, and so is 2
   /// unless a rank passes weights (their sums change from step to step) or changed a step value
   /// (step_value). Between 1 and 4 nothing allocates or calls tensor_traits unless every rank
   /// throws after the same collective.
   summary operator()(std::exception_ptr prior) {
-    rank = comm_rank(comm);
-    ranks = comm_size(comm);
     std::uint64_t header[header_words];
     std::size_t failed_variable = error::npos;
     const std::exception_ptr own = local_checks(prior, header, &failed_variable);
@@ -384,13 +335,13 @@ struct call : data_path<TG, Means, Squares, S, O> {
     std::uint64_t first[2] = {
         own ? (static_cast<std::uint64_t>(rank) << 32 | std::min<std::uint64_t>(failed_variable, 0xffffffffu)) : none,
         static_cast<std::uint64_t>(own ? plan_state::lapsed : plan_here)};
-    check(MPI_Allreduce(MPI_IN_PLACE, first, 2, MPI_UINT64_T, MPI_MIN, comm), "MPI_Allreduce");
+    wire.min_words(first, 2);
     const std::uint64_t first_failure = first[0];
     if (own) std::rethrow_exception(own);
     if (first_failure != none) {
       const std::uint64_t var = first_failure & 0xffffffffu;
       const std::size_t variable = var == 0xffffffffu ? error::npos : static_cast<std::size_t>(var);
-      throw remote_error("gradavg::mpi: rank " + std::to_string(first_failure >> 32) +
+      throw remote_error(std::string(Transport::caller) + ": rank " + std::to_string(first_failure >> 32) +
                              " failed its own checks before any data moved (" +
                              (variable == error::npos ? std::string("see the error thrown there")
                                                       : "about variable #" + std::to_string(variable) +
@@ -404,8 +355,7 @@ struct call : data_path<TG, Means, Squares, S, O> {
       // again on every rank when one rank needs it.
       restore_agreement();
       if (plans == plan_state::headers_again) {
-        check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
-              "MPI_Allgather");
+        wire.gather_words(header, work.words.data(), header_words);
         agree_on_headers(work.words.data());
         keep_agreement(header);
       }
@@ -414,69 +364,19 @@ struct call : data_path<TG, Means, Squares, S, O> {
     // Collective 2: every rank's header. After it, every rank holds the same variable count
     // (or throws).
     const std::size_t header_bytes = static_cast<std::size_t>(ranks) * header_words;
-    check(MPI_Allgather(header, header_words, MPI_UINT64_T, work.words.data(), header_words, MPI_UINT64_T, comm),
-          "MPI_Allgather");
+    wire.gather_words(header, work.words.data(), header_words);
     agree_on_headers(work.words.data());
     // Collective 3: per-variable presence and fingerprints, maximum and minimum over ranks.
     const std::size_t vw = variables * variable_words;
     std::uint64_t* words_here = work.words.data() + header_bytes;
-    if (vw != 0)
-      check(MPI_Allreduce(words_here, words_here + vw, static_cast<int>(vw), MPI_UINT64_T, MPI_MAX, comm),
-            "MPI_Allreduce");
-    if (const auto [i, how] = first_disagreement(words_here + vw, variables); how != 0) throw_variable_error(i, how);
+    if (vw != 0) wire.max_words(words_here, words_here + vw, vw);
+    if (const auto [i, how] = first_disagreement(words_here + vw, variables); how != disagreement::none)
+      throw_variable_error(i, how);
     if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) keep_agreement(header);
     return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
   }
 };
 
-template <class S, class O, class TG, class Means, class Squares>
-summary average_into_typed(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
-                           std::exception_ptr prior, plan* planned) {
-  workspace own;
-  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
-  return call<TG, Means, Squares, S, O>{{comm, tg, means, squares, opts, work}, planned}(prior);
-}
-
-/// SameElements: every output holds its gradients' element type by construction (the libtorch
-/// replicas'): see gradavg::detail::with_kernel_types.
-template <bool SameElements = false, class TG, class Means, class Squares>
-summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
-                     std::exception_ptr prior = nullptr, plan* planned = nullptr) {
-  using G = gradavg::detail::gradient_tensor_t<TG>;
-  using OT = gradavg::detail::output_tensor_t<Means&>;
-  check_communicator(comm);
-  static_assert(gradavg::detail::gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
-  static_assert(dynamic_tensor<G> || gradavg::detail::supported_scalar<tensor_value_t<G>>,
-                "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
-  static_assert(dynamic_tensor<OT> || gradavg::detail::supported_scalar<tensor_value_t<OT>>,
-                "gradavg: output elements must be float, double, Eigen::half or Eigen::bfloat16");
-  if constexpr (static_tensor<G> && static_tensor<OT>) {
-    using S = tensor_value_t<G>;
-    using O = tensor_value_t<OT>;
-    static_assert(gradavg::detail::supported_output<S, O>,
-                  "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
-    return average_into_typed<S, O>(comm, tg, means, squares, opts, prior, planned);
-  } else {
-    // Run-time element types: this rank's are found first (a failure still takes part in the
-    // agreement, as prior), then every rank runs the kernel of its types; the first collective
-    // compares them.
-    gradavg::detail::call_elements e;
-    if (!prior) {
-      try {
-        const std::size_t variable_count = gradavg::detail::validate_tower_counts(tg);
-        e = gradavg::detail::validate_elements(tg, variable_count, &means, squares);
-      } catch (...) {
-        prior = std::current_exception();
-      }
-    }
-    return gradavg::detail::with_kernel_types<G, OT, true, SameElements>(e, !prior, [&]<class S, class O>() {
-      return average_into_typed<S, O>(comm, tg, means, squares, opts, prior, planned);
-    });
-  }
-}
-
-}  // namespace detail
-
+}  // namespace detail::processes
 GRADAVG_END_ISA_NAMESPACE
-}  // namespace mpi
 }  // namespace gradavg

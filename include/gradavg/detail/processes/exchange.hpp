@@ -1,0 +1,141 @@
+// gradavg internals: how the buckets of a call across processes move, in two parts — a transport
+// (MPI, or any other engine that moves bytes between the ranks) gives the blocking collectives of
+// the agreement and a bucket's nonblocking byte moves; an exchange strategy decides what moves and
+// how the ranks' contributions are summed. owner_sum is today's strategy: every rank owns a
+// contiguous slice of each bucket, sums the others' contributions to it in rank order and sends
+// the sum back to every rank (the same bits on every rank, whatever the transport).
+#pragma once
+
+#include <algorithm>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+
+#include "../isa.hpp"
+
+namespace gradavg {
+GRADAVG_BEGIN_ISA_NAMESPACE
+namespace detail::processes {
+
+/// A bucket of len elements of `element` bytes each, cut among `ranks` ranks: rank r owns
+/// elements [first(r), first(r + 1)), bytes [at(r), at(r + 1)).
+struct slice_layout {
+  std::size_t len = 0;
+  std::size_t element = 0;
+  int ranks = 1;
+
+  [[nodiscard]] std::size_t first(int r) const noexcept {
+    return len * static_cast<std::size_t>(r) / static_cast<std::size_t>(ranks);
+  }
+  [[nodiscard]] std::size_t at(int r) const noexcept { return first(r) * element; }
+  [[nodiscard]] std::size_t bytes(int r) const noexcept { return at(r + 1) - at(r); }
+  /// Where, among the other ranks' contributions to this rank's slice (rank order, itself left
+  /// out), rank r's begins, in bytes.
+  [[nodiscard]] std::size_t received_at(int r, int rank) const noexcept {
+    return static_cast<std::size_t>(r < rank ? r : r - 1) * bytes(rank);
+  }
+};
+
+/// What a call across processes needs from a transport. The agreement's collectives are blocking
+/// and every rank enters them in the same order; they throw the transport's own error (the same
+/// on every rank where the engine fails everywhere). A bucket's moves are nonblocking, identified
+/// by a set number in [0, reserve's count), and never throw: a failure is noted and rethrown by
+/// rethrow_noted() after the call's last collective (throwing at once would leave the other ranks
+/// waiting for this rank's messages).
+template <class T>
+concept transport = requires(T& t, const T& c, std::uint64_t* words, const std::uint64_t* in, std::size_t n,
+                             std::size_t set, std::byte* bytes, const std::byte* from, const slice_layout& layout) {
+  /// "gradavg::mpi": the start of every error message the call throws.
+  { T::caller } -> std::convertible_to<const char*>;
+  { c.rank() } -> std::same_as<int>;
+  { c.ranks() } -> std::same_as<int>;
+  /// Bits that tell this communication context from another one (a plan keeps them).
+  { c.identity() } -> std::same_as<std::uint64_t>;
+  /// The transport's own exchange option, as a header word every rank must pass alike; and
+  /// its check (option_error), before any collective.
+  { c.method_code() } -> std::same_as<std::uint64_t>;
+  c.check_options();
+  /// Fusion bytes when the caller passes 0.
+  { c.automatic_fusion_bytes() } -> std::same_as<std::size_t>;
+  /// Every collective: in place minimum; maximum of in into words; every rank's n words into
+  /// words, in rank order.
+  t.min_words(words, n);
+  t.max_words(in, words, n);
+  t.gather_words(in, words, n);
+  /// Room for `sets` buckets in flight (allocates; before the first collective).
+  t.reserve(set);
+  /// Sends bytes [layout.at(r), layout.at(r + 1)) of `from` to every other rank r, receives
+  /// layout.bytes(rank) bytes from each into `bytes` + layout.received_at(r, rank).
+  t.scatter(set, from, bytes, layout);
+  /// Sends this rank's bytes of `bytes` to every other rank, receives theirs in place.
+  t.gather(set, bytes, layout);
+  /// Waits for a set's moves; lets them progress (an engine without a progress thread moves data
+  /// only inside its calls).
+  t.wait(set);
+  t.test(set);
+  t.rethrow_noted();
+};
+
+/// One bucket's buffers in flight: the fusion buffer (this rank's contributions, then the sums of
+/// every rank's), the others' contributions to this rank's slice, and the transport's set.
+template <class Buf>
+struct bucket_buffers {
+  Buf* local = nullptr;
+  Buf* recv = nullptr;
+  std::size_t set = 0;
+};
+
+/// The exchange strategy of a call: start (the contributions leave), reduce_and_gather (the
+/// contributions to this rank's part summed, the sums sent), finish (every sum here), progress;
+/// received_elements(max_len) is the room it needs beside a bucket of max_len elements.
+/// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back.
+template <transport Transport, class Buf>
+struct owner_sum {
+  Transport& wire;
+
+  [[nodiscard]] slice_layout layout(std::size_t len) const noexcept { return {len, sizeof(Buf), wire.ranks()}; }
+  [[nodiscard]] static std::size_t received_elements(std::size_t max_len, int ranks) noexcept {
+    const auto p = static_cast<std::size_t>(ranks);
+    return (max_len + p - 1) / p * p;
+  }
+
+  /// Every other rank's slice of the bucket leaves for its owner; theirs of this rank's arrive.
+  void start(std::size_t len, bucket_buffers<Buf>& b) {
+    wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv),
+                 layout(len));
+  }
+
+  /// Waits for the contributions, sums them in rank order into this rank's slice of the buffer
+  /// (its own contribution is there already), and starts the sum's way to every other rank.
+  void reduce_and_gather(std::size_t len, bucket_buffers<Buf>& b) {
+    wire.wait(b.set);
+    const slice_layout l = layout(len);
+    const int rank = wire.rank(), ranks = wire.ranks();
+    const std::size_t mine = l.first(rank + 1) - l.first(rank);
+    Buf* out = b.local + l.first(rank);
+    auto from = [&](int r) { return b.recv + l.received_at(r, rank) / sizeof(Buf); };
+    constexpr std::size_t block = 512;  // elements summed over every rank at a time (in L1)
+    Buf own[block];                      // this rank's contribution, kept aside while out is rewritten
+    for (std::size_t j0 = 0; j0 < mine; j0 += block) {
+      const std::size_t n = std::min(block, mine - j0);
+      Buf* o = out + j0;
+      if (rank != 0) {
+        std::copy(o, o + n, own);
+        const Buf* in = from(0) + j0;
+        std::copy(in, in + n, o);
+      }
+      for (int r = 1; r < ranks; ++r) {
+        const Buf* in = r == rank ? own : from(r) + j0;
+        for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
+      }
+    }
+    wire.gather(b.set, reinterpret_cast<std::byte*>(b.local), l);
+  }
+
+  void finish(bucket_buffers<Buf>& b) { wire.wait(b.set); }
+  void progress(bucket_buffers<Buf>& b) { wire.test(b.set); }
+};
+
+}  // namespace detail::processes
+GRADAVG_END_ISA_NAMESPACE
+}  // namespace gradavg
