@@ -109,7 +109,7 @@ auto average_allocating(const TG& tower_grads, bool with_squares, const options&
   using R = typename tensor_traits<G>::result_type;
   using V = variable_t<TG>;
   static_assert(dynamic_tensor<G> || supported_scalar<tensor_value_t<G>>,
-                "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+                "gradavg: gradient elements must be " GRADAVG_ELEMENT_TYPES_MESSAGE_);
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
 
   // Only what making the results needs is read here: every other check is average_gradients_into's.

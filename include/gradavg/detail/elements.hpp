@@ -11,6 +11,7 @@
 
 #include "isa.hpp"
 #include "kernel.hpp"
+#include "types.hpp"
 #include "validate.hpp"
 #include "../errors.hpp"
 #include "../statistics.hpp"
@@ -20,19 +21,6 @@ namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// The element_type of a supported scalar type.
-template <class S>
-constexpr element_type element_of_type() noexcept {
-  if constexpr (std::is_same_v<S, double>)
-    return element_type::float64;
-  else if constexpr (std::is_same_v<S, Eigen::half>)
-    return element_type::float16;
-  else if constexpr (std::is_same_v<S, Eigen::bfloat16>)
-    return element_type::bfloat16;
-  else
-    return element_type::float32;
-}
-
 /// t's element type: the traits' element(t), or value_type's.
 template <class T>
 element_type element_of(const T& t) {
@@ -40,24 +28,6 @@ element_type element_of(const T& t) {
     return tensor_traits<T>::element(t);
   else
     return element_of_type<tensor_value_t<T>>();
-}
-
-/// Calls f.template operator()<S>() with the scalar type of e.
-template <class F>
-decltype(auto) with_element(element_type e, F&& f) {
-  switch (e) {
-    case element_type::float64: return f.template operator()<double>();
-    case element_type::float16: return f.template operator()<Eigen::half>();
-    case element_type::bfloat16: return f.template operator()<Eigen::bfloat16>();
-    case element_type::float32: break;
-  }
-  return f.template operator()<float>();
-}
-
-/// Whether gradients of element type g may be averaged into outputs of element type o: the same
-/// type, or float32 for 16-bit gradients.
-constexpr bool output_element_allowed(element_type g, element_type o) noexcept {
-  return o == g || (o == element_type::float32 && (g == element_type::float16 || g == element_type::bfloat16));
 }
 
 /// The element types one call reads its gradients and writes its outputs as.

@@ -95,7 +95,7 @@ summary average_into_impl(const TG& tg, Means& means, Squares* squares, const op
   if constexpr (static_tensor<G> && static_tensor<OT>) {
     using S = tensor_value_t<G>;
     using O = tensor_value_t<OT>;
-    static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+    static_assert(supported_scalar<S>, "gradavg: gradient elements must be " GRADAVG_ELEMENT_TYPES_MESSAGE_);
     static_assert(supported_output<S, O>,
                   "gradavg: the means outputs must hold the gradients' element type (or float for 16-bit gradients)");
     if (p != nullptr && matches_plan<S, O>(*p, signature, tg, means, squares, opts))

@@ -57,6 +57,7 @@
 #include "../simd.hpp"
 #include "layout_proof.hpp"
 #include "isa.hpp"
+#include "types.hpp"
 
 /// Inlined into the kernel's loops whatever the compiler's heuristics say (they keep packet
 /// registers out of memory).
@@ -79,33 +80,6 @@
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
-
-/// Type in which values stored as S are summed: float for the 16-bit types, never 16 bits.
-template <class S>
-struct accumulator {
-  using type = S;
-};
-template <>
-struct accumulator<Eigen::half> {
-  using type = float;
-};
-template <>
-struct accumulator<Eigen::bfloat16> {
-  using type = float;
-};
-template <class S>
-using accumulator_t = typename accumulator<S>::type;
-
-/// Element types the kernel reads.
-template <class S>
-inline constexpr bool supported_scalar = std::is_same_v<S, float> || std::is_same_v<S, double> ||
-                                         std::is_same_v<S, Eigen::half> || std::is_same_v<S, Eigen::bfloat16>;
-
-/// Output element types allowed for gradients of type S: S itself, or float for 16-bit gradients
-/// (float master gradients of mixed-precision training).
-template <class S, class O>
-inline constexpr bool supported_output =
-    std::is_same_v<O, S> || (std::is_same_v<O, float> && std::is_same_v<accumulator_t<S>, float>);
 
 /// Towers summed in registers before going through the accumulator block.
 inline constexpr std::size_t group_towers = 16;
@@ -232,158 +206,11 @@ tower_reader<S> row_reader(const shared_detail::buffer_table& table, std::size_t
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace gradavg
 
-// Each level's definitions, in a region whose functions may use the level's instructions.
-#if defined(__clang__)
-#define GRADAVG_TARGET_PUSH_(features) \
-  _Pragma(GRADAVG_ISA_STRINGIZE(clang attribute push(__attribute__((target(features))), apply_to = function)))
-#define GRADAVG_TARGET_POP_ _Pragma("clang attribute pop")
-#else
-#define GRADAVG_TARGET_PUSH_(features) _Pragma("GCC push_options") _Pragma(GRADAVG_ISA_STRINGIZE(GCC target(features)))
-#define GRADAVG_TARGET_POP_ _Pragma("GCC pop_options")
-#endif
-
-// GRADAVG_HAS_<LEVEL>_LEVEL_: the levels this unit compiles; GRADAVG_<LEVEL>_TARGET_: the target
-// features of each level's region (where the unit's flags do not imply them already).
-#define GRADAVG_AVX2_TARGET_ "avx2,f16c"
-#define GRADAVG_AVX512_TARGET_ "avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c"
-#define GRADAVG_AVX512_BF16_TARGET_ "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c"
-#if GRADAVG_UNIT_LEVEL_ >= 2
-#if GRADAVG_UNIT_LEVEL_ <= 2
-#define GRADAVG_HAS_SSE2_LEVEL_ 1
-#define GRADAVG_LEVEL_NS_ sse2
-#define GRADAVG_LEVEL_SSE2_ 1
-#include "packet_level.hpp"
-#include "storage_level.hpp"
-#include "kernel_level.hpp"
-#include "reduce_level.hpp"
-#undef GRADAVG_LEVEL_SSE2_
-#undef GRADAVG_LEVEL_NS_
-#endif
-#if GRADAVG_UNIT_LEVEL_ <= 3 && GRADAVG_TOP_LEVEL_ >= 3
-#define GRADAVG_HAS_AVX2_LEVEL_ 1
-#define GRADAVG_LEVEL_NS_ avx2
-#define GRADAVG_LEVEL_AVX2_ 1
-#if GRADAVG_UNIT_LEVEL_ < 3
-GRADAVG_TARGET_PUSH_(GRADAVG_AVX2_TARGET_)
-#endif
-#include "packet_level.hpp"
-#include "storage_level.hpp"
-#include "kernel_level.hpp"
-#include "reduce_level.hpp"
-#if GRADAVG_UNIT_LEVEL_ < 3
-GRADAVG_TARGET_POP_
-#endif
-#undef GRADAVG_LEVEL_AVX2_
-#undef GRADAVG_LEVEL_NS_
-#endif
-#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 4
-#define GRADAVG_HAS_AVX512_LEVEL_ 1
-#define GRADAVG_LEVEL_NS_ avx512
-#define GRADAVG_LEVEL_AVX512_ 1
-#if GRADAVG_UNIT_LEVEL_ < 4
-GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_TARGET_)
-#endif
-#include "packet_level.hpp"
-#include "storage_level.hpp"
-#include "kernel_level.hpp"
-#include "reduce_level.hpp"
-#if GRADAVG_UNIT_LEVEL_ < 4
-GRADAVG_TARGET_POP_
-#endif
-#undef GRADAVG_LEVEL_AVX512_
-#undef GRADAVG_LEVEL_NS_
-#endif
-// AVX-512 with BF16: only bfloat16 outputs take other instructions (the conversion), so a unit
-// that also compiles the plain AVX-512 level instantiates this one for them alone (reduce_range).
-#if GRADAVG_TOP_LEVEL_ >= 5
-#define GRADAVG_HAS_AVX512_BF16_LEVEL_ 1
-#define GRADAVG_LEVEL_NS_ avx512_bf16
-#define GRADAVG_LEVEL_AVX512_ 1
-#define GRADAVG_LEVEL_BF16_ 1
-#if GRADAVG_UNIT_LEVEL_ < 5
-GRADAVG_TARGET_PUSH_(GRADAVG_AVX512_BF16_TARGET_)
-#endif
-#include "packet_level.hpp"
-#include "storage_level.hpp"
-#include "kernel_level.hpp"
-#include "reduce_level.hpp"
-#if GRADAVG_UNIT_LEVEL_ < 5
-GRADAVG_TARGET_POP_
-#endif
-#undef GRADAVG_LEVEL_AVX512_
-#undef GRADAVG_LEVEL_BF16_
-#undef GRADAVG_LEVEL_NS_
-#endif
-#else
-#define GRADAVG_HAS_GENERIC_LEVEL_ 1
-#define GRADAVG_LEVEL_NS_ generic
-#define GRADAVG_LEVEL_GENERIC_ 1
-#include "packet_level.hpp"
-#include "storage_level.hpp"
-#include "kernel_level.hpp"
-#include "reduce_level.hpp"
-#undef GRADAVG_LEVEL_GENERIC_
-#undef GRADAVG_LEVEL_NS_
-#endif
+#include "levels.hpp"
 
 namespace gradavg {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
-
-/// The level this unit's own flags imply (the lowest it compiles), whose functions code compiled
-/// with those flags can call and inline directly (tests of the packet operations).
-#if GRADAVG_UNIT_LEVEL_ <= 1
-namespace unit_level = generic;
-#elif GRADAVG_UNIT_LEVEL_ == 2
-namespace unit_level = sse2;
-#elif GRADAVG_UNIT_LEVEL_ == 3
-namespace unit_level = avx2;
-#elif GRADAVG_UNIT_LEVEL_ == 4
-namespace unit_level = avx512;
-#else
-namespace unit_level = avx512_bf16;
-#endif
-
-// GRADAVG_AT_LEVEL_(bf16, call): returns `call`, a call of a function of a level's namespace, at
-// the level simd_level_in_use() names (a switch over the levels this unit compiles); at
-// avx512_bf16, the plain AVX-512 level's unless bf16 (bfloat16 outputs) or the unit has none.
-#if GRADAVG_UNIT_LEVEL_ >= 2
-#if GRADAVG_UNIT_LEVEL_ <= 2
-#define GRADAVG_CASE_SSE2_(...) case simd_level::sse2: return sse2::__VA_ARGS__;
-#else
-#define GRADAVG_CASE_SSE2_(...)
-#endif
-#if GRADAVG_UNIT_LEVEL_ <= 3 && GRADAVG_TOP_LEVEL_ >= 3
-#define GRADAVG_CASE_AVX2_(...) case simd_level::avx2: return avx2::__VA_ARGS__;
-#else
-#define GRADAVG_CASE_AVX2_(...)
-#endif
-#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 4
-#define GRADAVG_CASE_AVX512_(...) case simd_level::avx512: return avx512::__VA_ARGS__;
-#else
-#define GRADAVG_CASE_AVX512_(...)
-#endif
-#if GRADAVG_UNIT_LEVEL_ <= 4 && GRADAVG_TOP_LEVEL_ >= 5
-#define GRADAVG_CASE_AVX512_BF16_(bf16, ...) \
-  case simd_level::avx512_bf16:              \
-    if constexpr (bf16) return avx512_bf16::__VA_ARGS__; else return avx512::__VA_ARGS__;
-#elif GRADAVG_TOP_LEVEL_ >= 5
-#define GRADAVG_CASE_AVX512_BF16_(bf16, ...) case simd_level::avx512_bf16: return avx512_bf16::__VA_ARGS__;
-#else
-#define GRADAVG_CASE_AVX512_BF16_(bf16, ...)
-#endif
-#define GRADAVG_AT_LEVEL_(bf16, ...)                \
-  switch (simd_level_in_use()) {                     \
-    GRADAVG_CASE_SSE2_(__VA_ARGS__)                  \
-    GRADAVG_CASE_AVX2_(__VA_ARGS__)                  \
-    GRADAVG_CASE_AVX512_(__VA_ARGS__)                \
-    GRADAVG_CASE_AVX512_BF16_(bf16, __VA_ARGS__)     \
-    default: break;                                  \
-  }                                                  \
-  __builtin_unreachable()
-#else
-#define GRADAVG_AT_LEVEL_(bf16, ...) return generic::__VA_ARGS__
-#endif
 
 /// Reduces elements [begin, end) of one variable (see the file comment), summing in Acc, at the
 /// level simd_level_in_use() names. tower_data(k) returns tower k's first element (of the whole
@@ -394,7 +221,7 @@ namespace unit_level = avx512_bf16;
 template <class S, class Acc, class O>
 piece_result reduce_range(const tower_reader<S>& tower_data, std::size_t tower_count, std::size_t begin, std::size_t end,
                           O* mean, O* square, bool streaming, bool prefetch, Acc divisor, const fused_params<Acc>* fused) {
-  static_assert(supported_scalar<S>, "gradavg: gradient elements must be float, double, Eigen::half or Eigen::bfloat16");
+  static_assert(supported_scalar<S>, "gradavg: gradient elements must be " GRADAVG_ELEMENT_TYPES_MESSAGE_);
   static_assert(supported_output<S, O>, "gradavg: outputs must hold the gradients' element type (or float for 16-bit)");
   if (begin >= end) return {};
   GRADAVG_AT_LEVEL_((std::is_same_v<O, Eigen::bfloat16>),
@@ -423,12 +250,6 @@ void stream_quotients(const Acc* from, Acc* to, std::size_t len, Acc divisor) no
   GRADAVG_AT_LEVEL_(false, stream_quotients<Acc>(from, to, len, divisor));
 }
 
-/// Every (gradients, accumulator, outputs) element-type combination the library instantiates the
-/// kernel for: X(S, Acc, O) for each (the passes of average.hpp, the MPI path's buffers).
-#define GRADAVG_KERNEL_INSTANCES_(X)                                                            \
-  X(float, float, float) X(float, double, float) X(double, double, double)                      \
-  X(Eigen::half, float, Eigen::half) X(Eigen::half, float, float)                               \
-  X(Eigen::bfloat16, float, Eigen::bfloat16) X(Eigen::bfloat16, float, float)
 #define GRADAVG_REDUCE_RANGE_INSTANCE_(S, Acc, O)                                                            \
   template piece_result reduce_range<S, Acc, O>(const tower_reader<S>&, std::size_t, std::size_t, std::size_t, \
                                                 O*, O*, bool, bool, Acc, const fused_params<Acc>*);
