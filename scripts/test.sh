@@ -92,9 +92,9 @@ stage_tsan() {
     -DGRADAVG_BUILD_EXAMPLES=OFF -DGRADAVG_ISA_TESTS=OFF -DGRADAVG_MPI=OFF
   # OpenMP's runtime is not instrumented for TSan: test_threads_openmp is left out.
   # test_fused: the fused step's per-segment records and its merge after the join.
-  build "$root/tsan" test_threads test_thread_failures test_fused
+  build "$root/tsan" test_threads test_thread_failures test_fused test_transport
   TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures|test_fused):"
+    run_ctest "$root/tsan" -R "^(test_threads|test_thread_failures|test_fused|test_transport):"
 }
 
 stage_arm() {
