@@ -19,6 +19,9 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <limits>
+#include <span>
+#include <type_traits>
 #include <string>
 #include <thread>
 #include <utility>
@@ -157,15 +160,15 @@ std::vector<rank_result<S>> run_ranks(int ranks, std::vector<rank_result<S>> res
   return results;
 }
 
-/// Rank r averages towers[r] into its means and squares (shaped as outputs) with opts.
-template <class S>
+/// Rank r averages towers[r] into its means and squares (shaped as outputs) with options_of(r).
+template <class S, class OptionsOf>
 std::vector<rank_result<S>> average_on_ranks(const std::vector<towers_of<S>>& towers,
-                                             const std::vector<vector_of<S>>& outputs, const thread_options& opts) {
+                                             const std::vector<vector_of<S>>& outputs, const OptionsOf& options_of) {
   std::vector<rank_result<S>> start(towers.size());
   for (auto& r : start) r.means = r.squares = outputs;
   return run_ranks<S>(static_cast<int>(towers.size()), std::move(start), [&](int r, auto& wire, auto& work, auto& mine) {
-    return processes::average_into(wire, work, towers[static_cast<std::size_t>(r)], mine.means, &mine.squares, opts,
-                                   nullptr, nullptr);
+    return processes::average_into(wire, work, towers[static_cast<std::size_t>(r)], mine.means, &mine.squares,
+                                   options_of(r), nullptr, nullptr);
   });
 }
 
@@ -214,6 +217,12 @@ bool same_outputs(const std::vector<vector_of<S>>& a, const std::vector<vector_o
   return true;
 }
 
+/// A value's bits (floats and doubles).
+template <class S>
+std::uint64_t bits_of(S x) {
+  return std::bit_cast<std::conditional_t<sizeof(S) == 8, std::uint64_t, std::uint32_t>>(x);
+}
+
 template <class S>
 void check_one_process_bits(int ranks, std::size_t towers_on_rank0) {
   const auto towers = random_ranks<S>(ranks, [&](int r) { return r == 0 ? towers_on_rank0 : std::size_t{1}; });
@@ -237,17 +246,15 @@ void check_one_process_bits(int ranks, std::size_t towers_on_rank0) {
   for (std::size_t fusion : {2 * sizeof(S) * 4, std::size_t{3000}, std::size_t{0}}) {
     INFO("ranks " << ranks << ", towers on rank 0 " << towers_on_rank0 << ", fusion_bytes " << fusion);
     opts.exchange.fusion_bytes = fusion;
-    const auto results = average_on_ranks<S>(towers, sentinel_outputs<S>(), opts);
+    const auto results = average_on_ranks<S>(towers, sentinel_outputs<S>(), [&](int) { return opts; });
     for (const auto& r : results) {
       REQUIRE_FALSE(r.failure);
       CHECK(same_outputs(r.means, one_means));
       CHECK(same_outputs(r.squares, one_squares));
       CHECK(r.report.towers == flat.size());
       CHECK(r.report.averaged == sizes.size());
-      CHECK(std::bit_cast<std::uint64_t>(r.report.sum_mean_squared) ==
-            std::bit_cast<std::uint64_t>(one.sum_mean_squared));
-      CHECK(std::bit_cast<std::uint64_t>(r.report.sum_mean_of_squares) ==
-            std::bit_cast<std::uint64_t>(one.sum_mean_of_squares));
+      CHECK(bits_of(r.report.sum_mean_squared) == bits_of(one.sum_mean_squared));
+      CHECK(bits_of(r.report.sum_mean_of_squares) == bits_of(one.sum_mean_of_squares));
     }
   }
 }
@@ -267,6 +274,47 @@ TEMPLATE_TEST_CASE("a transport of threads: one process's bits, the statistics t
   for (int ranks : {2, 3, 4}) {
     check_one_process_bits<TestType>(ranks, 1);
     check_one_process_bits<TestType>(ranks, 3);
+  }
+}
+
+TEST_CASE("a transport of threads: weights, scale, a NaN zeroed, per-variable reports: one process's bits") {
+  auto towers = random_ranks<float>(3, [](int) { return std::size_t{1}; });
+  towers[1][0][2].first[5] = std::numeric_limits<float>::quiet_NaN();  // variable #2 on rank 1
+  towers_of<float> flat;
+  for (const auto& rank : towers) flat.insert(flat.end(), rank.begin(), rank.end());
+  const std::vector<double> weights = {0.5, 2.0, 1.25};
+  std::vector<std::vector<gradavg::variable_statistics>> reports(4, std::vector<gradavg::variable_statistics>(sizes.size()));
+  auto options_for = [&](std::span<const double> w, std::vector<gradavg::variable_statistics>& report) {
+    thread_options o;
+    o.compute.weights = w;
+    o.compute.scale = 0.75;
+    o.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
+    o.compute.statistics = true;
+    o.compute.per_variable = report;
+    o.exchange.fusion_bytes = 256;  // buckets splitting variable #3
+    return o;
+  };
+  auto one_means = sentinel_outputs<float>(), one_squares = sentinel_outputs<float>();
+  const gradavg::summary one =
+      gradavg::average_gradients_into(flat, one_means, one_squares, options_for(weights, reports[3]).local());
+  REQUIRE(one.nonfinite_variables == 1);
+  CHECK(one_means[2].isZero());  // the independent fact: a zeroed variable is zeros
+  const auto results = average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int r) {
+    return options_for(std::span<const double>(weights).subspan(static_cast<std::size_t>(r), 1),
+                       reports[static_cast<std::size_t>(r)]);
+  });
+  for (std::size_t r = 0; r < 3; ++r) {
+    REQUIRE_FALSE(results[r].failure);
+    CHECK(same_outputs(results[r].means, one_means));
+    CHECK(same_outputs(results[r].squares, one_squares));
+    CHECK(results[r].report.nonfinite_variables == 1);
+    CHECK(bits_of(results[r].report.sum_mean_squared) == bits_of(one.sum_mean_squared));
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      INFO("rank " << r << ", variable " << i);
+      CHECK(reports[r][i].nonfinite == (i == 2));
+      CHECK(bits_of(reports[r][i].sum_mean_squared) == bits_of(reports[3][i].sum_mean_squared));
+      CHECK(bits_of(reports[r][i].sum_mean_of_squares) == bits_of(reports[3][i].sum_mean_of_squares));
+    }
   }
 }
 

@@ -137,10 +137,9 @@ class pass_run {
       if (w.zero_nonfinite && r.nonfinite) {
         std::size_t offset = 0;
         for (std::size_t v = 0; v < i; ++v) offset += w.size_of(v);
-        const std::size_t begin = std::max(offset, w.range_begin) - offset;
-        w.zero_outputs(i, begin, std::min(offset + w.size_of(i), w.range_end) - offset);
+        zero_outputs(w.mean_ptr(i), w.square_ptr(i), covered_by(offset, w.size_of(i), w.range_begin, w.range_end));
       }
-      w.finish_variable(i, r);
+      finish_variable(w.opts->compute, i, r);
     };
     statistics_fold fold;
     for (std::size_t s = 0; s < w.segments; ++s) {

@@ -36,6 +36,39 @@ struct segment_record {
 };
 static_assert(std::is_trivially_default_constructible_v<segment_record>);
 
+/// The elements [begin, end) of a variable's own that a flat range covers.
+struct covered_elements {
+  std::size_t begin, end;
+};
+
+/// Of a variable of `size` elements from flat element `offset`, those in [range_begin, range_end).
+inline covered_elements covered_by(std::size_t offset, std::size_t size, std::size_t range_begin,
+                                   std::size_t range_end) noexcept {
+  return {std::max(offset, range_begin) - offset, std::min(offset + size, range_end) - offset};
+}
+
+/// Zeros a variable's outputs (square: null without them) over its covered elements: its
+/// on_nonfinite::zero.
+template <class O>
+void zero_outputs(O* mean, O* square, covered_elements c) noexcept {
+  std::fill(mean + c.begin, mean + c.end, O(0));
+  if (square != nullptr) std::fill(square + c.begin, square + c.end, O(0));
+}
+
+/// Variable i finished with its combined result r: its sums zeroed where its outputs are
+/// (on_nonfinite::zero and a non-finite input), then reported in c.per_variable[i] where passed.
+/// The one-process pass and the call across processes finish every variable here.
+inline void finish_variable(const compute_options& c, std::size_t i, piece_result& r) noexcept {
+  if (c.on_nonfinite == nonfinite_policy::zero && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
+  if (c.per_variable.empty()) return;
+  variable_statistics& out = c.per_variable[i];
+  if (c.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
+  if (c.statistics) {
+    out.sum_mean_squared = r.sum_mean_squared;
+    out.sum_mean_of_squares = r.sum_mean_of_squares;
+  }
+}
+
 /// The call's buffers, as validation recorded them (validate_into's layout, a buffer_table):
 /// variable i's gradient on tower k begins at buffers.row(i)[k] (k < T), its means output at
 /// row(i)[T] and, with squares, its squares output at row(i)[T + 1]; each holds
@@ -72,22 +105,7 @@ struct segment_walk {
   }
 
   void zero_outputs(std::size_t i, std::size_t begin, std::size_t end) const {
-    std::fill(mean_ptr(i) + begin, mean_ptr(i) + end, O(0));
-    if (O* q = square_ptr(i)) std::fill(q + begin, q + end, O(0));
-  }
-
-  /// A variable's combined result: zeroed when the policy says, reported per variable.
-  void finish_variable(std::size_t i, piece_result& r) const {
-    const compute_options& c = opts->compute;
-    if (zero_nonfinite && r.nonfinite) r.sum_mean_squared = r.sum_mean_of_squares = 0;
-    if (!c.per_variable.empty()) {
-      variable_statistics& out = c.per_variable[i];
-      if (c.on_nonfinite != nonfinite_policy::ignore) out.nonfinite = r.nonfinite;
-      if (c.statistics) {
-        out.sum_mean_squared = r.sum_mean_squared;
-        out.sum_mean_of_squares = r.sum_mean_of_squares;
-      }
-    }
+    detail::zero_outputs(mean_ptr(i), square_ptr(i), {begin, end});
   }
 
   /// Elements [begin, end) of variable i (size elements, starting at flat index offset), in the
@@ -114,7 +132,7 @@ struct segment_walk {
       record.tail = piece;
     } else {
       if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
-      finish_variable(i, piece);
+      finish_variable(opts->compute, i, piece);
       record.inner.add(piece);
       record.inner_nonfinite += piece.nonfinite ? 1 : 0;
     }

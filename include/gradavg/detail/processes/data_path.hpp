@@ -231,26 +231,17 @@ struct data_path {
   }
 
   /// A variable whose last element in the range has been written: zeroed when the policy says,
-  /// reported. sums: its statistics (options.compute.statistics; zeroed with it), or null.
+  /// reported (segment_walk.hpp: finish_variable, as the one-process pass finishes it). sums:
+  /// its statistics (options.compute.statistics), or null.
   void finish_variable(std::size_t i, gradavg::detail::piece_result* sums) {
-    const bool nonfinite = work.nonfinite[i] != 0;
-    if (zero_nonfinite() && nonfinite) {
-      const std::size_t begin = std::max(offset_of(i), range_begin) - offset_of(i);
-      const std::size_t end = std::min(offset_of(i) + size_of(i), range_end) - offset_of(i);
-      O* m = static_cast<O*>(work.outputs[2 * i]);
-      std::fill(m + begin, m + end, O(0));
-      if (O* q = static_cast<O*>(work.outputs[2 * i + 1])) std::fill(q + begin, q + end, O(0));
-      if (sums != nullptr) sums->sum_mean_squared = sums->sum_mean_of_squares = 0;
-    }
-    if (!opts.compute.per_variable.empty()) {
-      variable_statistics& out = opts.compute.per_variable[i];
-      if (detect()) out.nonfinite = nonfinite;
-      if (sums != nullptr) {
-        out.sum_mean_squared = sums->sum_mean_squared;
-        out.sum_mean_of_squares = sums->sum_mean_of_squares;
-      }
-    }
-    nonfinite_variables += nonfinite ? 1 : 0;
+    gradavg::detail::piece_result r = sums != nullptr ? *sums : gradavg::detail::piece_result{};
+    r.nonfinite = work.nonfinite[i] != 0;
+    if (zero_nonfinite() && r.nonfinite)
+      gradavg::detail::zero_outputs(static_cast<O*>(work.outputs[2 * i]), static_cast<O*>(work.outputs[2 * i + 1]),
+                                    gradavg::detail::covered_by(offset_of(i), size_of(i), range_begin, range_end));
+    gradavg::detail::finish_variable(opts.compute, i, r);
+    if (sums != nullptr) *sums = r;
+    nonfinite_variables += r.nonfinite ? 1 : 0;
   }
 
   /// Divides a gathered bucket into the outputs, adds its statistics to stats, finishes the
