@@ -68,6 +68,26 @@ template <class TG>
 inline constexpr bool towers_contiguous = std::is_lvalue_reference_v<tower_ref_t<TG>> &&
                                           std::ranges::contiguous_range<std::remove_reference_t<tower_ref_t<TG>>>;
 
+/// Whether p was proved for calls like this one: ready, the same call signature, tower, variable
+/// and output counts, element types, and aliasing checks at most as strong as the ones it ran.
+template <class S, class O, class TG, class Means, class Squares>
+bool plan_fits(plan& p, const void* signature, const TG& tg, Means& means, Squares* squares, const options& opts) {
+  using A = plan_access;
+  const std::size_t towers = std::ranges::size(tg);
+  const std::size_t variables = A::variables(p);
+  if (!A::ready(p) || A::signature(p) != signature || A::towers(p) != towers ||
+      A::squares(p) != outputs_passed<Squares> || A::gradients(p) != element_of_type<S>() ||
+      A::outputs(p) != element_of_type<O>() || alias_strength(opts.check.aliasing) > alias_strength(A::proved(p)) ||
+      std::ranges::size(means) != variables)
+    return false;
+  if constexpr (outputs_passed<Squares>) {
+    if (std::ranges::size(*squares) != variables) return false;
+  }
+  for (std::size_t k = 0; k < towers; ++k)
+    if (std::ranges::size(at(tg, k)) != variables) return false;
+  return true;
+}
+
 /// Whether every buffer of this call is one p proved for the same signature, towers, variables,
 /// squares, element types S / O and at least options.check.aliasing's overlap check: each gradient
 /// present exactly where it was, and every present gradient and output of an averaged variable
@@ -78,18 +98,9 @@ bool matches_plan(plan& p, const void* signature, const TG& tg, Means& means, Sq
   using A = plan_access;
   using E = entry_t<TG>;
   constexpr bool with_squares = outputs_passed<Squares>;
+  if (!plan_fits<S, O>(p, signature, tg, means, squares, opts)) return false;
   const std::size_t towers = std::ranges::size(tg);
   const std::size_t variables = A::variables(p);
-  if (!A::ready(p) || A::signature(p) != signature || A::towers(p) != towers || A::squares(p) != with_squares ||
-      A::gradients(p) != element_of_type<S>() || A::outputs(p) != element_of_type<O>() ||
-      alias_strength(opts.check.aliasing) > alias_strength(A::proved(p)) ||
-      std::ranges::size(means) != variables)
-    return false;
-  if constexpr (with_squares) {
-    if (std::ranges::size(*squares) != variables) return false;
-  }
-  for (std::size_t k = 0; k < towers; ++k)
-    if (std::ranges::size(at(tg, k)) != variables) return false;
 
   const unsigned char* present = A::present(p).data();
   // Every variable's buffers against its row of the proof, for tower_count towers (the call's

@@ -74,6 +74,31 @@ struct ignore_variables {
   void operator()(std::size_t, const V&, const shape*) const noexcept {}
 };
 
+/// Variable i's means and squares outputs (squares: none unless passed).
+template <class O>
+struct output_reads {
+  output_read<O> means, squares;
+};
+
+/// Variable i's outputs, read where its gradient on tower 0, g0, is present; a problem (absent,
+/// not fitting g0, not contiguous) is recorded in walk, reported after the walk.
+template <class O, class TG, class Means, class Squares, class S>
+output_reads<O> read_outputs(const TG& tg, Means& means, Squares* squares, std::size_t i, const gradient_read<S>& g0,
+                             variable_walk& walk) {
+  output_reads<O> r;
+  if (!g0.present) return r;
+  auto note = [&](const output_read<O>& o) {
+    walk.output_problem = walk.output_problem || !o.present || !output_fits(o.dims, g0.dims) || !o.contiguous;
+  };
+  r.means = read_output_at<TG, Means, O>(tg, means, i, "means");
+  note(r.means);
+  if constexpr (outputs_passed<Squares>) {
+    r.squares = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
+    note(r.squares);
+  }
+  return r;
+}
+
 /// Variable i's checks (towers' variables, presence, shapes, contiguity; its outputs' reads; with
 /// alias_check::same_variable its own overlaps), its buffers appended to layout. Throws the
 /// variable's error; output problems and overlaps are only recorded in walk. Once its gradients
@@ -92,15 +117,9 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
     auto&& v0 = entry_traits<E>::variable(e0);
     const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
     const byte_range g0_bytes = g0.bytes();
-    output_read<O> m, q;
-    if (g0.present) {
-      m = read_output_at<TG, Means, O>(tg, means, i, "means");
-      walk.output_problem = walk.output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
-      if constexpr (with_squares) {
-        q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
-        walk.output_problem = walk.output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
-      }
-    }
+    const output_reads<O> outputs = read_outputs<O>(tg, means, squares, i, g0, walk);
+    const output_read<O>& m = outputs.means;
+    const output_read<O>& q = outputs.squares;
     const std::size_t elements = g0.present ? g0.dims.size() : 0;  // of each output
     const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
     const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
