@@ -101,6 +101,29 @@ enum record_field : std::size_t {
   record_words
 };
 
+/// The call's words, in one buffer (the workspace's) sized before the first collective so that no
+/// collective allocates: every rank's header (rank order), this rank's per-variable words, their
+/// reduction over the ranks, each variable's element count and first flat element, and the error
+/// records (this rank's, then every rank's). Each part's place, for `ranks` ranks and `variables`
+/// variables.
+struct word_layout {
+  std::uint64_t* base;
+  std::size_t ranks, variables;
+
+  [[nodiscard]] static std::size_t size(std::size_t ranks, std::size_t variables) noexcept {
+    return ranks * header_words + variables * (2 * variable_words + 2) + (ranks + 1) * record_words;
+  }
+  [[nodiscard]] std::uint64_t* headers() const noexcept { return base; }
+  [[nodiscard]] std::uint64_t* own_variables() const noexcept { return base + ranks * header_words; }
+  [[nodiscard]] std::uint64_t* own_variable(std::size_t i) const noexcept {
+    return own_variables() + i * variable_words;
+  }
+  [[nodiscard]] std::uint64_t* reduced() const noexcept { return own_variables() + variables * variable_words; }
+  [[nodiscard]] std::uint64_t* sizes() const noexcept { return reduced() + variables * variable_words; }
+  [[nodiscard]] std::uint64_t* own_record() const noexcept { return sizes() + 2 * variables; }
+  [[nodiscard]] std::uint64_t* records() const noexcept { return own_record() + record_words; }
+};
+
 /// "float16 gradients into float32 outputs", from an h_types field.
 inline std::string types_of(std::uint64_t codes) {
   auto name = [](std::uint64_t c) { return std::string(element_name(static_cast<element_type>(c - 1))); };

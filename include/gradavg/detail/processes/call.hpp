@@ -44,6 +44,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   using base::variables;
   using base::prepare;
   using base::total_weight;
+  using base::words;
 
   plan* planned = nullptr;  // the caller's plan, or null
 
@@ -64,7 +65,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
 
   /// A plan's agreed words, in order: [communicator, ranks, rank, variables], this rank's header
   /// as sent, every rank's header, the reduced per-variable words, this rank's own per-variable
-  /// words; the *_at functions say where each part begins (work.words' own layout: local_checks).
+  /// words; the *_at functions say where each part begins (work.words' own: word_layout).
   static constexpr std::size_t agreed_prefix = 4;
   std::size_t variable_word_count() const noexcept { return variables * variable_words; }
   std::size_t agreed_headers_at() const noexcept { return agreed_prefix + header_words; }
@@ -113,12 +114,12 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
     agreed[1] = static_cast<std::uint64_t>(ranks);
     agreed[2] = static_cast<std::uint64_t>(rank);
     agreed[3] = variables;
-    const std::size_t headers = static_cast<std::size_t>(ranks) * header_words, vw = variable_word_count();
-    const std::uint64_t* own = work.words.data() + headers;
+    const word_layout w = words();
+    const std::size_t vw = variable_word_count();
     std::copy(header, header + header_words, agreed.data() + agreed_prefix);
-    std::copy(work.words.data(), work.words.data() + headers, agreed.data() + agreed_headers_at());
-    std::copy(own + vw, own + 2 * vw, agreed.data() + agreed_reduced_at());
-    std::copy(own, own + vw, agreed.data() + agreed_own_at());
+    std::copy(w.headers(), w.own_variables(), agreed.data() + agreed_headers_at());
+    std::copy(w.reduced(), w.reduced() + vw, agreed.data() + agreed_reduced_at());
+    std::copy(w.own_variables(), w.own_variables() + vw, agreed.data() + agreed_own_at());
   }
 
   /// Where the agreed words of a plan that holds go back in work.words: this rank's own
@@ -127,15 +128,12 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   /// path reads.
   void restore_own_words() noexcept {
     const std::uint64_t* agreed = gradavg::detail::plan_access::agreed(*planned).data();
-    std::copy(agreed + agreed_own_at(), agreed + agreed_words(),
-              work.words.data() + static_cast<std::size_t>(ranks) * header_words);
+    std::copy(agreed + agreed_own_at(), agreed + agreed_words(), words().own_variables());
   }
   void restore_agreement() noexcept {
     const std::uint64_t* agreed = gradavg::detail::plan_access::agreed(*planned).data();
-    const std::size_t headers = static_cast<std::size_t>(ranks) * header_words;
-    std::copy(agreed + agreed_headers_at(), agreed + agreed_reduced_at(), work.words.data());
-    std::copy(agreed + agreed_reduced_at(), agreed + agreed_own_at(),
-              work.words.data() + headers + variable_word_count());
+    std::copy(agreed + agreed_headers_at(), agreed + agreed_reduced_at(), words().headers());
+    std::copy(agreed + agreed_reduced_at(), agreed + agreed_own_at(), words().reduced());
   }
 
   /// This rank's header words (what every rank must pass alike), before any check: a rank whose
@@ -158,12 +156,12 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
         opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
   }
 
-  /// Variable i's words in work.words after the headers: its presence state over this rank's
+  /// Variable i's words (word_layout::own_variable): its presence state over this rank's
   /// towers, fingerprints of its identity (tower 0's variable) and of its shape (dims: of its
   /// present gradients; null when none), each with its complement for the minimum.
   template <class V>
   void put_variable_words(std::size_t i, std::uint64_t state, const V& variable, const shape* dims) noexcept {
-    std::uint64_t* w = work.words.data() + ranks * header_words + i * variable_words;
+    std::uint64_t* w = words().own_variable(i);
     const std::uint64_t id = identity_fingerprint(variable);
     const std::uint64_t sh = dims != nullptr ? shape_fingerprint(*dims) : 0;
     w[v_state] = state;
@@ -230,11 +228,9 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   }
 
   /// This rank's header, per-variable words (presence, fingerprints) and, when they pass, its
-  /// tables and buffers (prepare()). work.words: [header of every rank (P * header_words)]
-  /// [variable words (V * variable_words)] [their reduction] [sizes, offsets (2V)]
-  /// [error records (P + 1) * record_words]: sized here, so that no collective of the call needs
-  /// an allocation. The failure, if any: this rank's own error, with the variable it names in
-  /// *failed_variable (error::npos when none).
+  /// tables and buffers (prepare()). work.words (word_layout) is sized here, so that no
+  /// collective of the call needs an allocation. The failure, if any: this rank's own error, with
+  /// the variable it names in *failed_variable (error::npos when none).
   std::exception_ptr local_checks(std::exception_ptr prior, std::uint64_t* header, std::size_t* failed_variable) {
     *failed_variable = error::npos;
     fill_header(header);
@@ -243,8 +239,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
       towers = std::ranges::size(tg);
       variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
       header[h_variables] = variables;
-      const std::size_t P = static_cast<std::size_t>(ranks);
-      work.words.resize(P * header_words + variables * (2 * variable_words + 2) + (P + 1) * record_words);
+      work.words.resize(word_layout::size(static_cast<std::size_t>(ranks), variables));
       const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
       if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
         throw option_error(std::string(Transport::caller) + ": options.exchange.fusion_bytes is " +
@@ -280,9 +275,8 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   [[noreturn]] void throw_variable_error(std::size_t i, disagreement how) {
     // This rank's record, then every rank's, in the space local_checks reserved: the gather
     // allocates nothing, and an exception from tensor_traits here is rethrown only after it.
-    std::uint64_t* const mine = work.words.data() + static_cast<std::size_t>(ranks) * header_words +
-                                variables * (2 * variable_words + 2);
-    std::uint64_t* const all = mine + record_words;
+    std::uint64_t* const mine = words().own_record();
+    std::uint64_t* const all = words().records();
     std::fill(mine, mine + record_words, std::uint64_t{0});
     std::size_t present = 0, listed = 0;
     shape s{};
@@ -299,7 +293,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
     } catch (...) {
       reading = std::current_exception();
     }
-    const std::uint64_t* own = work.words.data() + ranks * header_words + i * variable_words;
+    const std::uint64_t* own = words().own_variable(i);
     mine[r_state] = own[v_state];
     mine[r_present] = present;
     mine[r_towers] = towers;
@@ -355,22 +349,20 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
       // again on every rank when one rank needs it.
       restore_agreement();
       if (plans == plan_state::headers_again) {
-        wire.gather_words(header, work.words.data(), header_words);
-        agree_on_headers(work.words.data());
+        wire.gather_words(header, words().headers(), header_words);
+        agree_on_headers(words().headers());
         keep_agreement(header);
       }
       return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
     }
     // Collective 2: every rank's header. After it, every rank holds the same variable count
     // (or throws).
-    const std::size_t header_bytes = static_cast<std::size_t>(ranks) * header_words;
-    wire.gather_words(header, work.words.data(), header_words);
-    agree_on_headers(work.words.data());
+    wire.gather_words(header, words().headers(), header_words);
+    agree_on_headers(words().headers());
     // Collective 3: per-variable presence and fingerprints, maximum and minimum over ranks.
     const std::size_t vw = variables * variable_words;
-    std::uint64_t* words_here = work.words.data() + header_bytes;
-    if (vw != 0) wire.max_words(words_here, words_here + vw, vw);
-    if (const auto [i, how] = first_disagreement(words_here + vw, variables); how != disagreement::none)
+    if (vw != 0) wire.max_words(words().own_variables(), words().reduced(), vw);
+    if (const auto [i, how] = first_disagreement(words().reduced(), variables); how != disagreement::none)
       throw_variable_error(i, how);
     if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) keep_agreement(header);
     return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });

@@ -50,6 +50,8 @@ struct data_path {
   int rank = wire.rank(), ranks = wire.ranks();
   std::size_t towers = 0, variables = 0;
 
+  /// The parts of work.words (sized by local_checks).
+  word_layout words() noexcept { return {work.words.data(), static_cast<std::size_t>(ranks), variables}; }
   /// The divisor from the gathered headers (agreement.hpp).
   double total_weight(const std::uint64_t* all) const noexcept { return weight_sum_of(all, ranks); }
 
@@ -87,7 +89,7 @@ struct data_path {
     work.towers.resize(variables * towers);
     work.outputs.resize(2 * variables);
     work.nonfinite.resize(variables);
-    sizes = work.words.data() + ranks * header_words + 2 * variables * variable_words;
+    sizes = words().sizes();
     total = 0;
     for (std::size_t i = 0; i < variables; ++i) {
       const std::size_t size = layout != nullptr && towers != 0 ? layout->elements[i] : 0;
@@ -307,14 +309,14 @@ struct data_path {
   /// The summary's counts from the gathered headers and the reduced per-variable words, and the
   /// divisor (weight_sum): the same on every rank.
   summary counts() {
-    const std::uint64_t* headers = work.words.data();
+    const std::uint64_t* headers = words().headers();
     summary result;
     for (int r = 0; r < ranks; ++r) {
       result.towers += headers[static_cast<std::size_t>(r) * header_words + h_towers];
       result.weighted_towers += headers[static_cast<std::size_t>(r) * header_words + h_weighted_towers];
     }
     weight_sum = total_weight(headers);
-    const std::uint64_t* reduced = work.words.data() + ranks * header_words + variables * variable_words;
+    const std::uint64_t* reduced = words().reduced();
     for (std::size_t i = 0; i < variables; ++i)
       result.averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
     result.skipped = variables - result.averaged;
