@@ -22,7 +22,7 @@ if ! command -v valgrind > /dev/null; then
 fi
 
 tests=(test_errors test_in_place test_aliasing)
-if [ -f tests/test_fused.cpp ]; then tests+=(test_fused); fi
+if [ -f tests/core/test_fused.cpp ]; then tests+=(test_fused); fi
 
 start=$(date +%s)
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DGRADAVG_WERROR=ON -DGRADAVG_NATIVE=OFF \

@@ -1,7 +1,7 @@
 # Checks that docs/porting.md shows the snippet files verbatim: every ```cpp block of the guide
 # is byte for byte one file of docs/snippets/, every such file is shown exactly once, and
-# tests/test_porting.cpp includes every one (so each is compiled and run).
-#   cmake -DGUIDE=docs/porting.md -DSNIPPETS=docs/snippets -DTEST_SOURCE=tests/test_porting.cpp -P porting_in_sync.cmake
+# tests/docs/test_porting.cpp includes every one (so each is compiled and run).
+#   cmake -DGUIDE=docs/porting.md -DSNIPPETS=docs/snippets -DTEST_SOURCE=tests/docs/test_porting.cpp -P porting_in_sync.cmake
 cmake_minimum_required(VERSION 3.21)
 get_filename_component(SNIPPETS "${SNIPPETS}" ABSOLUTE)  # relative to the working directory
 file(READ "${GUIDE}" guide)

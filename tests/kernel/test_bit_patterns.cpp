@@ -1,6 +1,6 @@
 // The same bits on every CPU: a fixed table of cases (element types, output types, tower counts,
 // tails, weights, scale, statistics, non-finite inputs), each summarised by a 64-bit FNV-1a hash
-// of every output byte and every statistic, checked in (tests/bit_patterns.inc) as the x86-64
+// of every output byte and every statistic, checked in (tests/support/bit_patterns.inc) as the x86-64
 // baseline level (SSE2) computed it. Every level this machine runs must give those bits: on
 // x86-64 each level in turn (forced), on aarch64 NEON (the arm stage, under qemu). The values
 // themselves are checked against references by the other tests; this one pins them across
