@@ -260,7 +260,7 @@ struct storage_ops {
 
   /// A step in lane order narrowed into memory order (lane_order), pair by pair.
   template <bool Stream, std::size_t U>
-  GRADAVG_INLINE_ static void lane_order_step(S* p, const P (&v)[U]) noexcept {
+  GRADAVG_INLINE_ static void lane_order_step([[maybe_unused]] S* p, [[maybe_unused]] const P (&v)[U]) noexcept {
 #if defined(GRADAVG_LEVEL_AVX2_)
     static_assert(lane_order && U % 2 == 0);
     GRADAVG_UNROLL_
