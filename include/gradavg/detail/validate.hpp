@@ -74,29 +74,19 @@ struct ignore_variables {
   void operator()(std::size_t, const V&, const shape*) const noexcept {}
 };
 
-/// Variable i's means and squares outputs (squares: none unless passed).
-template <class O>
-struct output_reads {
-  output_read<O> means, squares;
-};
-
-/// Variable i's outputs, read where its gradient on tower 0, g0, is present; a problem (absent,
-/// not fitting g0, not contiguous) is recorded in walk, reported after the walk.
+/// Variable i's outputs read into m and q (q: unless squares are passed, untouched) where its
+/// gradient on tower 0, g0, is present; a problem (absent, not fitting g0, not contiguous) is
+/// recorded in walk, reported after the walk.
 template <class O, class TG, class Means, class Squares, class S>
-output_reads<O> read_outputs(const TG& tg, Means& means, Squares* squares, std::size_t i, const gradient_read<S>& g0,
-                             variable_walk& walk) {
-  output_reads<O> r;
-  if (!g0.present) return r;
-  auto note = [&](const output_read<O>& o) {
-    walk.output_problem = walk.output_problem || !o.present || !output_fits(o.dims, g0.dims) || !o.contiguous;
-  };
-  r.means = read_output_at<TG, Means, O>(tg, means, i, "means");
-  note(r.means);
+GRADAVG_HOT_ void read_outputs(const TG& tg, Means& means, Squares* squares, std::size_t i, const gradient_read<S>& g0,
+                               variable_walk& walk, output_read<O>& m, output_read<O>& q) {
+  if (!g0.present) return;
+  m = read_output_at<TG, Means, O>(tg, means, i, "means");
+  walk.output_problem = walk.output_problem || !m.present || !output_fits(m.dims, g0.dims) || !m.contiguous;
   if constexpr (outputs_passed<Squares>) {
-    r.squares = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
-    note(r.squares);
+    q = read_output_at<TG, Squares, O>(tg, *squares, i, "squares");
+    walk.output_problem = walk.output_problem || !q.present || !output_fits(q.dims, g0.dims) || !q.contiguous;
   }
-  return r;
 }
 
 /// Variable i's checks (towers' variables, presence, shapes, contiguity; its outputs' reads; with
@@ -117,9 +107,8 @@ void check_variable(const TG& tg, Means& means, Squares* squares, const options&
     auto&& v0 = entry_traits<E>::variable(e0);
     const gradient_read<S> g0 = read_gradient_at<TG, S>(tg, e0, 0, i);
     const byte_range g0_bytes = g0.bytes();
-    const output_reads<O> outputs = read_outputs<O>(tg, means, squares, i, g0, walk);
-    const output_read<O>& m = outputs.means;
-    const output_read<O>& q = outputs.squares;
+    output_read<O> m, q;
+    read_outputs<O>(tg, means, squares, i, g0, walk, m, q);
     const std::size_t elements = g0.present ? g0.dims.size() : 0;  // of each output
     const byte_range m_bytes = bytes_of(m.data, m.present ? elements : 0);
     const byte_range q_bytes = bytes_of(q.data, q.present ? elements : 0);
