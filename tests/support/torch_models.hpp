@@ -7,7 +7,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <exception>
+#include <span>
 #include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace gradavg_test {
@@ -19,6 +24,60 @@ inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined()) return true;
   return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && a.strides() == b.strides() &&
          std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+/// Towers of (gradient, name) entries of torch::Tensor.
+using torch_entry = std::pair<at::Tensor, std::string>;
+using torch_towers = std::vector<std::vector<torch_entry>>;
+
+/// Outputs shaped like tower 0's gradients, of dtype, filled with -7.
+inline std::vector<at::Tensor> outputs_like(const torch_towers& tg, at::ScalarType dtype) {
+  std::vector<at::Tensor> out;
+  for (const auto& e : tg[0]) out.push_back(torch::full(e.first.sizes(), -7.0, torch::dtype(dtype)));
+  return out;
+}
+
+/// The mean of variable i over the towers, computed by torch in double.
+inline at::Tensor reference_mean(const torch_towers& tg, std::size_t i) {
+  std::vector<at::Tensor> g;
+  for (const auto& tower : tg) g.push_back(tower[i].first.to(at::kDouble));
+  return torch::stack(g).mean(0);
+}
+
+/// The same towers as std::span<const S> gradients (the plain-pointer path), and std::vector<O>
+/// outputs shaped like tower 0's gradients: average(spans, outputs) runs the call, which returns
+/// the outputs.
+template <class S, class O, class Average>
+std::vector<std::vector<O>> through_spans(const torch_towers& tg, Average&& average) {
+  std::vector<std::vector<std::pair<std::span<const S>, std::string>>> st(tg.size());
+  for (std::size_t k = 0; k < tg.size(); ++k)
+    for (const auto& [g, name] : tg[k])
+      st[k].emplace_back(std::span<const S>(static_cast<const S*>(g.data_ptr()), static_cast<std::size_t>(g.numel())),
+                         name);
+  std::vector<std::vector<O>> means;
+  for (const auto& e : tg[0]) means.emplace_back(static_cast<std::size_t>(e.first.numel()));
+  average(st, means);
+  return means;
+}
+
+/// Runs step(k) for k in [0, count), each on a thread of its own; returns the first exception by
+/// k (a replica's backward that throws), not thrown, or null.
+template <class Step>
+std::exception_ptr first_failure_on_threads(std::size_t count, const Step& step) {
+  std::vector<std::exception_ptr> errors(count);
+  std::vector<std::thread> threads;
+  for (std::size_t k = 0; k < count; ++k)
+    threads.emplace_back([&, k] {
+      try {
+        step(k);
+      } catch (...) {
+        errors[k] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) return e;
+  return nullptr;
 }
 
 }  // namespace gradavg_test

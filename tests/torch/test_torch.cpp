@@ -38,8 +38,10 @@ inline auto mean_of_replicas(std::span<torch::nn::Module* const> replicas) {
 
 namespace {
 
-using entry = std::pair<at::Tensor, std::string>;
-using towers_t = std::vector<std::vector<entry>>;
+using entry = gradavg_test::torch_entry;
+using towers_t = gradavg_test::torch_towers;
+using gradavg_test::outputs_like;
+using gradavg_test::reference_mean;
 
 /// Gradients of variables of the given sizes on `towers` towers, values from randn in dtype.
 towers_t random_towers(std::size_t towers, const std::vector<std::vector<std::int64_t>>& sizes, at::ScalarType dtype,
@@ -50,13 +52,6 @@ towers_t random_towers(std::size_t towers, const std::vector<std::vector<std::in
     for (std::size_t i = 0; i < sizes.size(); ++i)
       tg[k].emplace_back(torch::randn(sizes[i]).to(dtype), "v" + std::to_string(i));
   return tg;
-}
-
-/// Outputs shaped like tower 0's gradients, of dtype, filled with -7.
-std::vector<at::Tensor> outputs_like(const towers_t& tg, at::ScalarType dtype) {
-  std::vector<at::Tensor> out;
-  for (const auto& e : tg[0]) out.push_back(torch::full(e.first.sizes(), -7.0, torch::dtype(dtype)));
-  return out;
 }
 
 std::vector<at::Tensor> clones(const std::vector<at::Tensor>& v) {
@@ -76,22 +71,8 @@ bool all_bitwise_equal(const std::vector<at::Tensor>& a, const std::vector<at::T
 /// The same call through std::span gradients (the plain-pointer path) into std::vector<O>.
 template <class S, class O>
 std::vector<std::vector<O>> span_path(const towers_t& tg, const gradavg::options& opts) {
-  std::vector<std::vector<std::pair<std::span<const S>, std::string>>> st(tg.size());
-  for (std::size_t k = 0; k < tg.size(); ++k)
-    for (const auto& [g, name] : tg[k])
-      st[k].emplace_back(std::span<const S>(static_cast<const S*>(g.data_ptr()), static_cast<std::size_t>(g.numel())),
-                         name);
-  std::vector<std::vector<O>> means;
-  for (const auto& e : tg[0]) means.emplace_back(static_cast<std::size_t>(e.first.numel()));
-  gradavg::average_gradients_into(st, means, opts);
-  return means;
-}
-
-/// The mean of variable i over the towers, computed by torch in double.
-at::Tensor reference_mean(const towers_t& tg, std::size_t i) {
-  std::vector<at::Tensor> g;
-  for (const auto& tower : tg) g.push_back(tower[i].first.to(at::kDouble));
-  return torch::stack(g).mean(0);
+  return gradavg_test::through_spans<S, O>(
+      tg, [&](const auto& st, auto& means) { gradavg::average_gradients_into(st, means, opts); });
 }
 
 template <class S, class O>

@@ -68,21 +68,10 @@ struct twin_replicas {
                               std::size_t failing = ~std::size_t{0}) {
     std::vector<std::pair<at::Tensor, at::Tensor>> data;
     for (std::size_t k = 0; k < set.size(); ++k) data.push_back(rows(k, batch));
-    std::vector<std::exception_ptr> errors(set.size());
-    std::vector<std::thread> threads;
-    for (std::size_t k = 0; k < set.size(); ++k)
-      threads.emplace_back([&, k] {
-        try {
-          const at::Tensor out = set[k]->forward(data[k].first, use_aux.empty() || use_aux[k], k == failing);
-          torch::nn::functional::cross_entropy(out, data[k].second).backward();
-        } catch (...) {
-          errors[k] = std::current_exception();
-        }
-      });
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) return e;
-    return nullptr;
+    return gradavg_test::first_failure_on_threads(set.size(), [&](std::size_t k) {
+      const at::Tensor out = set[k]->forward(data[k].first, use_aux.empty() || use_aux[k], k == failing);
+      torch::nn::functional::cross_entropy(out, data[k].second).backward();
+    });
   }
 
   void zero_grad(bool set_to_none) {

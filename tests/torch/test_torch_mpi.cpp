@@ -57,8 +57,10 @@ std::uint64_t hash_of(const std::vector<at::Tensor>& tensors) {
   return h;
 }
 
-using entry = std::pair<at::Tensor, std::string>;
-using towers_t = std::vector<std::vector<entry>>;
+using entry = gradavg_test::torch_entry;
+using towers_t = gradavg_test::torch_towers;
+using gradavg_test::outputs_like;
+using gradavg_test::reference_mean;
 
 /// Every rank's towers, the same on every rank: variable i has shape sizes[i].
 towers_t all_towers(const std::vector<std::vector<std::int64_t>>& sizes, at::ScalarType dtype, std::uint64_t seed) {
@@ -76,30 +78,12 @@ towers_t local_towers(const towers_t& all) {
                   all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
 }
 
-std::vector<at::Tensor> outputs_like(const towers_t& tg, at::ScalarType dtype) {
-  std::vector<at::Tensor> out;
-  for (const auto& e : tg[0]) out.push_back(torch::full(e.first.sizes(), -7.0, torch::dtype(dtype)));
-  return out;
-}
-
-at::Tensor reference_mean(const towers_t& all, std::size_t i) {
-  std::vector<at::Tensor> g;
-  for (const auto& tower : all) g.push_back(tower[i].first.to(at::kDouble));
-  return torch::stack(g).mean(0);
-}
-
 /// The same call through std::span<const S> gradients into std::vector<O> outputs.
 template <class S, class O>
 std::vector<std::vector<O>> span_path(const towers_t& tg, const gradavg::mpi::options& opts) {
-  std::vector<std::vector<std::pair<std::span<const S>, std::string>>> st(tg.size());
-  for (std::size_t k = 0; k < tg.size(); ++k)
-    for (const auto& [g, name] : tg[k])
-      st[k].emplace_back(std::span<const S>(static_cast<const S*>(g.data_ptr()), static_cast<std::size_t>(g.numel())),
-                         name);
-  std::vector<std::vector<O>> means;
-  for (const auto& e : tg[0]) means.emplace_back(static_cast<std::size_t>(e.first.numel()));
-  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, st, means, opts);
-  return means;
+  return gradavg_test::through_spans<S, O>(tg, [&](const auto& st, auto& means) {
+    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, st, means, opts);
+  });
 }
 
 template <class S, class O>
