@@ -176,7 +176,7 @@ summary with_kernel_types(const call_elements& e, bool types_known, F&& f) {
   auto with_gradients = [&]<class S>() -> summary {
     if constexpr (dynamic_tensor<OT>) {
       if (types_known && e.outputs != e.gradients) {
-        if constexpr (!SameElements && std::is_same_v<accumulator_t<S>, float> && !std::is_same_v<S, float>)
+        if constexpr (!SameElements && element_traits<S>::float_outputs)
           return f.template operator()<S, float>();
         else if constexpr (!Agree)
           throw_output_element(e.gradients, e.outputs);

@@ -104,10 +104,6 @@ struct segment_walk {
     return with_squares ? table.buffers.template buffer<O>(i, towers + 1) : nullptr;
   }
 
-  void zero_outputs(std::size_t i, std::size_t begin, std::size_t end) const {
-    detail::zero_outputs(mean_ptr(i), square_ptr(i), {begin, end});
-  }
-
   /// Elements [begin, end) of variable i (size elements, starting at flat index offset), in the
   /// segment [seg_begin, seg_end): the kernel, then (fused) the piece's place in the record.
   void run_piece(std::size_t i, std::size_t size, std::size_t offset, std::size_t begin, std::size_t end,
@@ -131,7 +127,7 @@ struct segment_walk {
       record.tail_variable = i;
       record.tail = piece;
     } else {
-      if (zero_nonfinite && piece.nonfinite) zero_outputs(i, begin, end);
+      if (zero_nonfinite && piece.nonfinite) zero_outputs(mean_ptr(i), square_ptr(i), {begin, end});
       finish_variable(opts->compute, i, piece);
       record.inner.add(piece);
       record.inner_nonfinite += piece.nonfinite ? 1 : 0;
