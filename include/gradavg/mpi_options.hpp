@@ -95,6 +95,9 @@ struct exchange_options {
   std::size_t fusion_bytes = 0;
   /// How a bucket's slices move between ranks.
   exchange_method method = exchange_method::collectives;
+  /// How the sums are encoded on the wire (gradavg::compression): none, or a lossy 16-bit format
+  /// that halves the bytes every rank sends and receives.
+  gradavg::compression compression = gradavg::compression::none;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };

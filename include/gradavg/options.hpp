@@ -69,6 +69,27 @@ enum class nonfinite_policy : std::uint8_t {
   zero,    ///< detected and reported; every output element of that variable is written as +0
 };
 
+/// How the sums of a call across processes travel between the ranks (options.exchange.compression
+/// of gradavg::mpi). Every lossy format keeps the ranks bitwise equal and runs repeatable: each
+/// rank's contribution is encoded, every owner decodes the contributions to its slice and sums
+/// them in rank order, the sum is encoded once more, and every rank, the owner too, decodes that
+/// encoding into its outputs. Non-finite inputs are detected before any encoding
+/// (options.compute.on_nonfinite); the statistics describe the means returned.
+enum class compression : std::uint8_t {
+  /// The accumulator's own bits (the default): the same results as one process where the towers
+  /// add in the same order.
+  none,
+  /// bfloat16, rounded to nearest even (NaN stays NaN, infinities stay infinite; a magnitude above
+  /// bfloat16's largest finite value, 3.39e38, becomes infinite): half the bytes of float, 8
+  /// significant bits, float's range. Double sums are rounded to float first.
+  bfloat16,
+  /// IEEE half, rounded to nearest even, in blocks of 256 values with a power-of-two scale each:
+  /// the block's largest finite magnitude is brought into [2^14, 2^15), so no finite value
+  /// overflows and small gradients keep 11 significant bits down to 2^-24 of that scale below the
+  /// block's largest (smaller ones round towards 0). 516 bytes per 256 values: 50.4 % of float's.
+  float16,
+};
+
 /// A range [begin, end) of the flat element range of all variables: variables in their order,
 /// each contributing its tower-0 gradient's element count (0 when absent), elements in storage
 /// order. The default covers everything; end is clamped to the total.

@@ -1,5 +1,5 @@
 // The seam between a call across processes and its transport (detail/processes/exchange.hpp):
-// a second transport, written here in one file, runs the same call with threads as ranks. It
+// a second transport, written in one file (support/thread_transport.hpp), runs the same call with threads as ranks. It
 // moves bytes through shared memory behind a barrier, nothing else: the agreement, the data path
 // and the owner_sum exchange are the library's, unchanged. Checked: the means and squares against
 // the independent double reference, and bit for bit against the one-process call over the same
@@ -7,170 +7,29 @@
 // one on every other), the statistics too, for every bucket size; errors on one rank reach every
 // rank, with nothing written.
 #include <gradavg/gradavg.hpp>
-#include <gradavg/detail/processes/average.hpp>
 
 #include <Eigen/Dense>
 
-#include <algorithm>
-#include <barrier>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <limits>
 #include <span>
-#include <type_traits>
 #include <string>
-#include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "catch.hpp"
 #include "reference.hpp"
 #include "support.hpp"
+#include "thread_transport.hpp"
 
 namespace {
 
 using namespace gradavg_test;
-namespace processes = gradavg::detail::processes;
-
-/// The options a call across processes takes: gradavg::options' groups and the bucket size.
-struct thread_options {
-  gradavg::compute_options compute = {};
-  gradavg::run_options run = {};
-  gradavg::check_options check = {};
-  struct {
-    std::size_t fusion_bytes = 0;
-  } exchange;
-  [[nodiscard]] gradavg::options local() const noexcept { return {compute, run, check}; }
-};
-
-/// What the ranks of one world share: a barrier and, per rank, the buffer it offers in the
-/// collective or move under way.
-struct thread_world {
-  explicit thread_world(int count) : ranks(count), sync(count), offered(static_cast<std::size_t>(count)) {}
-  int ranks;
-  std::barrier<> sync;
-  std::vector<const void*> offered;
-};
-
-/// A transport whose ranks are threads of one process. Every operation is blocking and offers a
-/// buffer, waits for every rank's, reads what it needs, and waits again (so that no buffer is
-/// rewritten while another rank reads it): the ranks enter the same operations in the same order,
-/// which is what the call across processes guarantees of its transport.
-class thread_transport {
- public:
-  using options_type = thread_options;
-  static constexpr const char* caller = "gradavg::threads";
-
-  thread_transport(thread_world& world, int rank) : world_(world), rank_(rank) {}
-
-  [[nodiscard]] int rank() const noexcept { return rank_; }
-  [[nodiscard]] int ranks() const noexcept { return world_.ranks; }
-  [[nodiscard]] std::uint64_t identity() const noexcept { return std::bit_cast<std::uintptr_t>(&world_); }
-  [[nodiscard]] std::uint64_t method_code() const noexcept { return 0; }
-  void check_options() const noexcept {}
-  [[nodiscard]] std::size_t automatic_fusion_bytes() const noexcept { return std::size_t{1} << 20; }
-
-  void min_words(std::uint64_t* words, std::size_t n) {
-    reduce(words, words, n, [](std::uint64_t a, std::uint64_t b) { return std::min(a, b); });
-  }
-  void max_words(const std::uint64_t* in, std::uint64_t* words, std::size_t n) {
-    reduce(in, words, n, [](std::uint64_t a, std::uint64_t b) { return std::max(a, b); });
-  }
-  void gather_words(const std::uint64_t* in, std::uint64_t* words, std::size_t n) {
-    exchange(in, [&](int r, const void* theirs) { std::memcpy(words + r * n, theirs, n * sizeof *words); });
-  }
-
-  void reserve(std::size_t) noexcept {}
-  void scatter(std::size_t, const std::byte* from, std::byte* into, const processes::slice_layout& l) {
-    exchange(from, [&](int r, const void* theirs) {
-      if (r != rank_)
-        std::memcpy(into + l.received_at(r, rank_), static_cast<const std::byte*>(theirs) + l.at(rank_),
-                    l.bytes(rank_));
-    });
-  }
-  void gather(std::size_t, std::byte* bytes, const processes::slice_layout& l) {
-    exchange(bytes, [&](int r, const void* theirs) {
-      if (r != rank_) std::memcpy(bytes + l.at(r), static_cast<const std::byte*>(theirs) + l.at(r), l.bytes(r));
-    });
-  }
-  void wait(std::size_t) noexcept {}
-  void test(std::size_t) noexcept {}
-  void rethrow_noted() const noexcept {}
-
- private:
-  /// Offers mine, then calls read(r, rank r's offer) for every rank r, in rank order.
-  template <class Read>
-  void exchange(const void* mine, Read&& read) {
-    world_.offered[static_cast<std::size_t>(rank_)] = mine;
-    world_.sync.arrive_and_wait();
-    for (int r = 0; r < world_.ranks; ++r) read(r, world_.offered[static_cast<std::size_t>(r)]);
-    world_.sync.arrive_and_wait();
-  }
-  template <class Op>
-  void reduce(const std::uint64_t* in, std::uint64_t* out, std::size_t n, Op op) {
-    std::vector<std::uint64_t> result(in, in + n);
-    exchange(in, [&](int, const void* theirs) {
-      const auto* w = static_cast<const std::uint64_t*>(theirs);
-      for (std::size_t j = 0; j < n; ++j) result[j] = op(result[j], w[j]);
-    });
-    std::copy(result.begin(), result.end(), out);
-  }
-
-  thread_world& world_;
-  int rank_;
-};
-
-static_assert(processes::transport<thread_transport>);
-
-template <class S>
-using vector_of = Eigen::Matrix<S, Eigen::Dynamic, 1>;
-template <class S>
-using towers_of = std::vector<std::vector<std::pair<vector_of<S>, std::string>>>;
-
-/// What one rank's call left: its outputs, its summary, or its exception.
-template <class S>
-struct rank_result {
-  std::vector<vector_of<S>> means, squares;
-  gradavg::summary report;
-  std::exception_ptr failure;
-};
-
-/// Runs call(r, wire, work, rank r's result) on every rank r of a world of `ranks` threads, each
-/// with its transport and its buffers; an exception is kept in the rank's result.
-template <class S, class Call>
-std::vector<rank_result<S>> run_ranks(int ranks, std::vector<rank_result<S>> results, const Call& call) {
-  thread_world world(ranks);
-  std::vector<std::thread> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      auto& mine = results[static_cast<std::size_t>(r)];
-      try {
-        thread_transport wire(world, r);
-        gradavg::shared_detail::process_buffers work;
-        mine.report = call(r, wire, work, mine);
-      } catch (...) {
-        mine.failure = std::current_exception();
-      }
-    });
-  for (auto& t : threads) t.join();
-  return results;
-}
-
-/// Rank r averages towers[r] into its means and squares (shaped as outputs) with options_of(r).
-template <class S, class OptionsOf>
-std::vector<rank_result<S>> average_on_ranks(const std::vector<towers_of<S>>& towers,
-                                             const std::vector<vector_of<S>>& outputs, const OptionsOf& options_of) {
-  std::vector<rank_result<S>> start(towers.size());
-  for (auto& r : start) r.means = r.squares = outputs;
-  return run_ranks<S>(static_cast<int>(towers.size()), std::move(start), [&](int r, auto& wire, auto& work, auto& mine) {
-    return processes::average_into(wire, work, towers[static_cast<std::size_t>(r)], mine.means, &mine.squares,
-                                   options_of(r), nullptr, nullptr);
-  });
-}
 
 /// Rank r averages towers[r] into means[r], no squares, default options.
 template <class S>

@@ -77,7 +77,8 @@ enum header_field : std::size_t {
   h_weighted_towers,  // this rank's towers of positive weight (T when no weights)
   h_scale,        // bits of the scale
   h_per_variable,  // per_variable passed
-  h_exchange,     // exchange_method
+  h_exchange,     // the transport's method_code
+  h_compression,  // options.exchange.compression
   header_words
 };
 
@@ -229,7 +230,8 @@ inline void agree_on_headers(const char* caller, const std::uint64_t* all, int r
                          named{h_fusion_bytes, "options.exchange.fusion_bytes"},
                          named{h_scale, "options.compute.scale"},
                          named{h_per_variable, "whether options.compute.per_variable is passed"},
-                         named{h_exchange, "options.exchange.method"}})
+                         named{h_exchange, "options.exchange.method"},
+                         named{h_compression, "options.exchange.compression"}})
     if (const rank_split d = split_on(n.f); !d.odd.empty())
       throw option_error(std::string(caller) + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
                          " a different " + std::string(n.what) + " than " + rank_list(d.common) +

@@ -151,6 +151,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
     header[h_scale] = double_to_bits(opts.compute.scale);
     header[h_per_variable] = opts.compute.per_variable.empty() ? 0 : 1;
     header[h_exchange] = wire.method_code();
+    header[h_compression] = static_cast<std::uint64_t>(opts.exchange.compression);
     header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.compute.weights, std::ranges::size(tg)));
     header[h_weighted_towers] =
         opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
@@ -245,6 +246,8 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
         throw option_error(std::string(Transport::caller) + ": options.exchange.fusion_bytes is " +
                            std::to_string(fusion_bytes) +
                            "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+      gradavg::shared_detail::require_named(opts.exchange.compression, compression::float16,
+                                            "options.exchange.compression");
       wire.check_options();
       plan_here = plan_state_here(header);
       if (plan_here == plan_state::lapsed) {

@@ -121,7 +121,7 @@ struct data_path {
     const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
     const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
     const std::size_t sets = std::min<std::size_t>(3, buckets);
-    const std::size_t set_elements = max_len + exchange_type::received_elements(max_len, ranks);
+    const std::size_t set_elements = max_len + exchange().room(max_len);
     work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     wire.reserve(sets);
@@ -138,6 +138,7 @@ struct data_path {
     std::size_t first_variable;   // the first variable with an element in it
     std::size_t flags;            // variables with an element in it (detect)
     std::size_t len;              // Buf elements in the buffer
+    bucket_parts parts;           // its sums, squares' sums and flags, for the exchange
   };
   static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
 
@@ -153,7 +154,7 @@ struct data_path {
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
   /// How a bucket's contributions move and are summed (exchange.hpp).
-  exchange_type exchange() noexcept { return {wire}; }
+  exchange_type exchange() const noexcept { return {wire, {opts.exchange.compression}}; }
   /// Variable i's element count and first flat element (prepare()'s table).
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
   std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
@@ -170,6 +171,7 @@ struct data_path {
     sh.flags = detect() ? flags : 0;
     const std::size_t elements = sh.end - sh.begin;
     sh.len = elements * (squares_in_buffer() ? 2 : 1) + sh.flags;
+    sh.parts = {{elements, squares_in_buffer() ? elements : 0, sh.flags}};
     return sh;
   }
 
@@ -250,7 +252,7 @@ struct data_path {
   /// variables whose last element it holds.
   template <class Acc>
   void unpack(const bucket_shape& sh, bucket_set& bs, gradavg::detail::flat_statistics<Acc>& stats) {
-    exchange().finish(bs);
+    exchange().finish(sh.parts, bs);
     const Acc divisor = static_cast<Acc>(weight_sum);
     bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
     const std::size_t elements = sh.end - sh.begin;
@@ -347,9 +349,9 @@ struct data_path {
           }
         }
         if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
-        exchange().start(shapes[b % 3].len, bs);
+        exchange().start(shapes[b % 3].parts, bs);
       }
-      if (b >= 1 && b - 1 < buckets) exchange().reduce_and_gather(shapes[(b - 1) % 3].len, set[(b - 1) % 3]);
+      if (b >= 1 && b - 1 < buckets) exchange().reduce_and_gather(shapes[(b - 1) % 3].parts, set[(b - 1) % 3]);
       if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3], stats);
     }
     return failure;

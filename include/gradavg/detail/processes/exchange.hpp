@@ -3,7 +3,8 @@
 // the agreement and a bucket's nonblocking byte moves; an exchange strategy decides what moves and
 // how the ranks' contributions are summed. owner_sum is today's strategy: every rank owns a
 // contiguous slice of each bucket, sums the others' contributions to it in rank order and sends
-// the sum back to every rank (the same bits on every rank, whatever the transport).
+// the sum back to every rank (the same bits on every rank, whatever the transport), as the
+// accumulator's bits or in a wire format (codec.hpp).
 #pragma once
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "codec.hpp"
 #include "../isa.hpp"
 
 namespace gradavg {
@@ -47,6 +49,9 @@ concept transport = requires(T& t, const T& c, std::uint64_t* words, const std::
                              std::size_t set, std::byte* bytes, const std::byte* from, const slice_layout& layout) {
   /// "gradavg::mpi": the start of every error message the call throws.
   { T::caller } -> std::convertible_to<const char*>;
+  /// The call's options: gradavg::options' groups (compute, run, check, and local() for them) and
+  /// exchange.fusion_bytes and exchange.compression (mpi::options is a model).
+  typename T::options_type;
   { c.rank() } -> std::same_as<int>;
   { c.ranks() } -> std::same_as<int>;
   /// Bits that tell this communication context from another one (a plan keeps them).
@@ -77,7 +82,8 @@ concept transport = requires(T& t, const T& c, std::uint64_t* words, const std::
 };
 
 /// One bucket's buffers in flight: the fusion buffer (this rank's contributions, then the sums of
-/// every rank's), the others' contributions to this rank's slice, and the transport's set.
+/// every rank's), the exchange's room (the others' contributions to this rank's slice; encoded:
+/// the bucket's encoding, then those), and the transport's set.
 template <class Buf>
 struct bucket_buffers {
   Buf* local = nullptr;
@@ -86,30 +92,51 @@ struct bucket_buffers {
 };
 
 /// The exchange strategy of a call: start (the contributions leave), reduce_and_gather (the
-/// contributions to this rank's part summed, the sums sent), finish (every sum here), progress;
-/// received_elements(max_len) is the room it needs beside a bucket of max_len elements.
-/// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back.
+/// contributions to this rank's part summed, the sums sent), finish (every sum here, in the
+/// bucket's buffer), progress; room(max_len) is the Buf elements it needs beside a bucket of
+/// max_len elements (bucket_buffers::recv).
+/// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back; in
+/// the codec's format (codec.hpp) when it encodes: the owners then own whole blocks, sum the
+/// decoded contributions and encode the sum, which every rank, the owner too, decodes.
 template <transport Transport, class Buf>
 struct owner_sum {
   Transport& wire;
+  codec<Buf> format;
 
-  [[nodiscard]] slice_layout layout(std::size_t len) const noexcept { return {len, sizeof(Buf), wire.ranks()}; }
-  [[nodiscard]] static std::size_t received_elements(std::size_t max_len, int ranks) noexcept {
-    const auto p = static_cast<std::size_t>(ranks);
-    return (max_len + p - 1) / p * p;
+  [[nodiscard]] slice_layout layout(const bucket_parts& parts) const noexcept {
+    if (format.encodes()) return {parts.blocks(), format.block_bytes(), wire.ranks()};
+    return {parts.len(), sizeof(Buf), wire.ranks()};
+  }
+  [[nodiscard]] std::size_t room(std::size_t max_len) const noexcept {
+    const auto p = static_cast<std::size_t>(wire.ranks());
+    if (!format.encodes()) return (max_len + p - 1) / p * p;
+    // The encoded bucket, then the others' blocks of this rank's slice.
+    const std::size_t blocks = bucket_parts::max_blocks(max_len);
+    const std::size_t bytes = (blocks + (p - 1) * ((blocks + p - 1) / p)) * format.block_bytes();
+    return (bytes + sizeof(Buf) - 1) / sizeof(Buf);
   }
 
   /// Every other rank's slice of the bucket leaves for its owner; theirs of this rank's arrive.
-  void start(std::size_t len, bucket_buffers<Buf>& b) {
-    wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv),
-                 layout(len));
+  void start(const bucket_parts& parts, bucket_buffers<Buf>& b) {
+    const slice_layout l = layout(parts);
+    if (format.encodes()) {
+      std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
+      for (std::size_t k = 0; k < l.len; ++k) format.encode(b.local, parts.place(k), encoded + k * l.element);
+      wire.scatter(b.set, encoded, encoded + l.at(wire.ranks()), l);
+      return;
+    }
+    wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
   }
 
-  /// Waits for the contributions, sums them in rank order into this rank's slice of the buffer
-  /// (its own contribution is there already), and starts the sum's way to every other rank.
-  void reduce_and_gather(std::size_t len, bucket_buffers<Buf>& b) {
+  /// Waits for the contributions, sums them in rank order into this rank's slice (its own
+  /// contribution is there already), and starts the sum's way to every other rank.
+  void reduce_and_gather(const bucket_parts& parts, bucket_buffers<Buf>& b) {
     wire.wait(b.set);
-    const slice_layout l = layout(len);
+    const slice_layout l = layout(parts);
+    if (format.encodes()) {
+      reduce_blocks(l, b);
+      return;
+    }
     const int rank = wire.rank(), ranks = wire.ranks();
     const std::size_t mine = l.first(rank + 1) - l.first(rank);
     Buf* out = b.local + l.first(rank);
@@ -132,8 +159,42 @@ struct owner_sum {
     wire.gather(b.set, reinterpret_cast<std::byte*>(b.local), l);
   }
 
-  void finish(bucket_buffers<Buf>& b) { wire.wait(b.set); }
+  /// Waits for every slice's sums; decodes them into the bucket's buffer when encoded.
+  void finish(const bucket_parts& parts, bucket_buffers<Buf>& b) {
+    wire.wait(b.set);
+    if (!format.encodes()) return;
+    const slice_layout l = layout(parts);
+    const std::byte* encoded = reinterpret_cast<const std::byte*>(b.recv);
+    for (std::size_t k = 0; k < l.len; ++k) format.decode_into(encoded + k * l.element, parts.place(k), b.local);
+  }
   void progress(bucket_buffers<Buf>& b) { wire.test(b.set); }
+
+ private:
+  /// The encoded exchange's sums: each block of this rank's slice of `encoded` (the bucket's
+  /// encoding; the others' blocks of the slice behind it) decoded from every rank's encoding,
+  /// this rank's own included, summed in rank order in Buf and encoded in place.
+  void reduce_blocks(const slice_layout& l, bucket_buffers<Buf>& b) {
+    std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
+    const int rank = wire.rank(), ranks = wire.ranks();
+    const std::byte* received = encoded + l.at(ranks);
+    const std::size_t first = l.first(rank), last = l.first(rank + 1);
+    for (std::size_t k = first; k < last; ++k) {
+      auto block_of = [&](int r) {
+        const std::size_t at = (k - first) * l.element;
+        return r == rank ? encoded + k * l.element : received + l.received_at(r, rank) + at;
+      };
+      float x[block_values];
+      Buf sum[block_values];
+      format.decode(block_of(0), x);
+      for (std::size_t j = 0; j < block_values; ++j) sum[j] = static_cast<Buf>(x[j]);
+      for (int r = 1; r < ranks; ++r) {
+        format.decode(block_of(r), x);
+        for (std::size_t j = 0; j < block_values; ++j) sum[j] += static_cast<Buf>(x[j]);
+      }
+      format.encode(sum, {0, block_values}, encoded + k * l.element);
+    }
+    wire.gather(b.set, encoded, l);
+  }
 };
 
 }  // namespace detail::processes
