@@ -18,15 +18,17 @@
 //                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange.method)
 //   gradavg/F/plan the first gradavg/F with a gradavg::plan kept across rounds (every call after
 //                  the first: no agreement collective); only with --plan 1 (the default)
+//   gradavg/auto/bf16/plan, gradavg/auto/fp16/plan  the same with options.exchange.compression
+//                  bfloat16 and float16 (each with a plan of its own); only with --compression 1
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round; each round starts one method later.
 // Every gradavg result (every fusion size, every round) is hashed and compared across ranks and
-// with the first: the bench exits 1 if any differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
+// with the first of its wire format: the bench exits 1 if any differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
 // (MPI_Sendrecv, median of 5), reported in Gbit/s per direction.
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
-//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--gap-ms N]
+//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--compression 0|1] [--gap-ms N]
 // --gap-ms N: every rank sleeps N ms before each timed call, so that each starts on an idle link
 // (a shaped link's token bucket full, as after a training step's compute); default 0: back to
 // back, where a method that starts sending sooner finds the bucket emptier.
@@ -68,6 +70,7 @@ struct config {
   bool schedules = false;
   bool point_to_point = false;
   bool plan = true;
+  bool compression = false;
   int gap_ms = 0;
 };
 
@@ -169,7 +172,7 @@ struct problem {
 struct method {
   std::string name;
   std::function<void()> f;
-  bool checked = false;  // a gradavg result: hashed after every call
+  int format = -1;  // a gradavg result in this gradavg::compression: hashed after every call (-1: none)
 };
 
 /// Runs one cell; false when a gradavg result differed between ranks or from run to run.
@@ -372,13 +375,31 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                            gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
                          else gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, p.entries, p.means, opts);
                        },
-                       true});
+                       0});
+  }
+  const std::size_t uncompressed_end = methods.size();
+  std::vector<gradavg::mpi::workspace> compressed_work(2);
+  std::vector<gradavg::plan> compressed_plans(2);
+  for (int c = 0; c < (cfg.compression ? 2 : 0); ++c) {
+    const auto format = c == 0 ? gradavg::compression::bfloat16 : gradavg::compression::float16;
+    methods.push_back({std::string("gradavg/auto/") + (c == 0 ? "bf16" : "fp16") + "/plan",
+                       [&, c, format] {
+                         gradavg::mpi::options opts;
+                         opts.exchange.work = &compressed_work[static_cast<std::size_t>(c)];
+                         opts.exchange.compression = format;
+                         opts.run.threads = cfg.threads;
+                         auto& pl = compressed_plans[static_cast<std::size_t>(c)];
+                         if (with_squares)
+                           gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
+                         else gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, opts);
+                       },
+                       static_cast<int>(format)});
   }
 
   // Rounds: every method once per round, in order; round 0 is the warm-up.
   std::vector<std::vector<double>> times(methods.size());
-  std::uint64_t reference = 0;
-  bool same = true, have_reference = false;
+  std::uint64_t reference[3] = {};
+  bool same = true, have_reference[3] = {};
   for (int round = 0; round <= cfg.rounds; ++round)
     for (std::size_t n = 0; n < methods.size(); ++n) {
       // Each round starts one method later: no method always follows the same one (a shaped
@@ -386,14 +407,15 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
       const std::size_t j = (n + static_cast<std::size_t>(round)) % methods.size();
       const double ms = time_once_ms(methods[j].f, cfg.gap_ms);
       if (round > 0) times[j].push_back(ms);
-      if (!methods[j].checked) continue;
+      const int g = methods[j].format;
+      if (g < 0) continue;
       const std::uint64_t h = hash_of(p.means) ^ (with_squares ? hash_of(p.squares) * 31 : 0);
-      if (!have_reference) {
-        reference = h;
-        MPI_Bcast(&reference, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-        have_reference = true;
+      if (!have_reference[g]) {
+        reference[g] = h;
+        MPI_Bcast(&reference[g], 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+        have_reference[g] = true;
       }
-      int differs = h != reference ? 1 : 0;
+      int differs = h != reference[g] ? 1 : 0;
       MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
       same = same && differs == 0;
     }
@@ -402,10 +424,10 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
   for (std::size_t j = 0; j < methods.size(); ++j) med[j] = median(times[j]);
   if (rank_of() == 0) {
     const double allreduce = med[0], local = med[1], per_variable = med[2];
-    std::size_t best = methods.size() - gradavg_methods;
-    for (std::size_t j = best; j < methods.size(); ++j)
+    const std::size_t first_gradavg = uncompressed_end - gradavg_methods;
+    std::size_t best = first_gradavg;
+    for (std::size_t j = best; j < uncompressed_end; ++j)
       if (med[j] < med[best]) best = j;
-    const std::size_t first_gradavg = methods.size() - gradavg_methods;
     const double bound = std::max(local, allreduce);
     std::printf("%-9s T=%d %-12s", m.name.c_str(), towers, with_squares ? "mean+squares" : "mean");
     for (std::size_t j = 0; j < methods.size(); ++j) {
@@ -421,6 +443,9 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 methods[first_gradavg].name.c_str(), med[first_gradavg] / allreduce, med[first_gradavg] / bound,
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
+    for (std::size_t j = uncompressed_end; j < methods.size(); ++j)
+      std::printf("    %s: %.2fx allreduce, %.2fx %s\n", methods[j].name.c_str(), med[j] / allreduce,
+                  med[j] / med[best], methods[best].name.c_str());
     std::fflush(stdout);
   }
   return same;
@@ -451,6 +476,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--schedules") c.schedules = std::atoi(v) != 0;
     else if (a == "--point-to-point") c.point_to_point = std::atoi(v) != 0;
     else if (a == "--plan") c.plan = std::atoi(v) != 0;
+    else if (a == "--compression") c.compression = std::atoi(v) != 0;
     else if (a == "--gap-ms") c.gap_ms = std::max(0, std::atoi(v));
     else return false;
   }

@@ -4,16 +4,23 @@
 // into each rank's tower 0, and every rank takes the same step of SGD with momentum (the average
 // is bitwise the same on every rank, so the models never drift apart).
 //
-//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--quiet]
+//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|all] [--quiet]
+//
+// --compression: the exchange's wire format (gradavg::compression; default none); all: the same
+// training once per format from the same start, each one's accuracy printed beside the fp32
+// exchange's.
 //
 // Exits non-zero unless (1) at the first step the averaged gradient matches the gradient of the
-// whole mini-batch (every shard of every rank) computed at once, (2) the final training loss is
-// under half the initial one, and (3) every rank ends with bitwise the same model.
+// whole mini-batch (every shard of every rank) computed at once (within the format's rounding),
+// (2) the final training loss is under half the initial one, (3) every rank ends with bitwise the
+// same model, and (4) with all, every format's test accuracy is within 0.5 points of the fp32
+// exchange's (or better).
 #include <gradavg/gradavg.hpp>
 #include <gradavg/mpi.hpp>
 
 #include <mpi.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -34,12 +41,31 @@ using namespace two_class;  // the model, its data and its gradient
 constexpr int shard_size = 64;  // samples per tower per step
 constexpr float learning_rate = 0.1f;
 constexpr float momentum = 0.9f;
-constexpr float gradient_tolerance = 1e-4f;  // relative; float sums in another order differ ~1e-7
+/// The first step's gradient against the full batch's, relative to its largest element: float
+/// sums in another order differ ~1e-7; bfloat16 rounds to 2^-9 of each value, twice; float16 to
+/// 2^-12 of each block's largest value, twice.
+float gradient_tolerance(gradavg::compression format) {
+  switch (format) {
+    case gradavg::compression::bfloat16: return 0x1p-7f;
+    case gradavg::compression::float16: return 0x1p-9f;
+    default: return 1e-4f;
+  }
+}
+
+struct format_name {
+  gradavg::compression format;
+  const char* name;
+};
+constexpr std::array<format_name, 3> formats = {{{gradavg::compression::none, "none"},
+                                                 {gradavg::compression::bfloat16, "bf16"},
+                                                 {gradavg::compression::float16, "fp16"}}};
 
 struct config {
   int towers = 2;
   int steps = 1000;
   bool quiet = false;
+  bool every_format = false;  // --compression all
+  gradavg::compression format = gradavg::compression::none;
 };
 
 std::optional<config> parse_args(int argc, char** argv, int ranks) {
@@ -48,6 +74,18 @@ std::optional<config> parse_args(int argc, char** argv, int ranks) {
     const std::string_view arg = argv[i];
     if (arg == "--quiet") {
       c.quiet = true;
+      continue;
+    }
+    if (arg == "--compression" && i + 1 < argc) {
+      const std::string_view name = argv[++i];
+      c.every_format = name == "all";
+      bool known = c.every_format;
+      for (const format_name& f : formats)
+        if (name == f.name) {
+          c.format = f.format;
+          known = true;
+        }
+      if (!known) return std::nullopt;
       continue;
     }
     const bool towers = arg == "--towers";
@@ -71,7 +109,13 @@ std::uint64_t fingerprint(parameters& p) {
   return h;
 }
 
-int train(const config& cfg, int rank, int ranks) {
+/// What one training run left: its exit status and its final test accuracy.
+struct outcome {
+  int status;
+  float test_accuracy;
+};
+
+outcome train(const config& cfg, int rank, int ranks) {
   // Every rank generates the same data and initial model from the same seed.
   random_source rng(20240601);
   problem start = make_problem(rng);
@@ -91,10 +135,12 @@ int train(const config& cfg, int rank, int ranks) {
   gradavg::mpi::options opts;
   opts.exchange.work = &work;
   opts.compute.statistics = true;
+  opts.exchange.compression = cfg.format;
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet && rank == 0) {
-    std::printf("%d ranks x %d towers x %d samples per step, %d steps\n", ranks, towers, shard_size, cfg.steps);
+    std::printf("%d ranks x %d towers x %d samples per step, %d steps, compression %s\n", ranks, towers, shard_size,
+                cfg.steps, formats[static_cast<std::size_t>(cfg.format)].name);
     std::printf("initial   train loss %.4f  accuracy %5.1f%%\n", initial.loss, 100 * initial.accuracy);
   }
   dataset epoch = train_set;
@@ -129,7 +175,7 @@ int train(const config& cfg, int rank, int ranks) {
 
     if (step == 0) {
       const float difference = max_relative_difference(mean_gradient, full_batch_gradient);
-      failed = difference > gradient_tolerance;
+      failed = difference > gradient_tolerance(cfg.format);
       if ((!cfg.quiet && rank == 0) || failed)
         std::printf("rank %d, step 1: averaged vs full-batch gradient over %d samples, max relative difference %.2g (%s)\n",
                     rank, batch_size, difference, failed ? "FAILED" : "ok");
@@ -168,7 +214,26 @@ int train(const config& cfg, int rank, int ranks) {
       std::printf("FAILED: final training loss %.4f is not under half the initial %.4f\n", final_train.loss,
                   initial.loss);
   }
-  return failed || !learned || !same ? 1 : 0;
+  return {failed || !learned || !same ? 1 : 0, final_test.accuracy};
+}
+
+/// The training of cfg; with every_format, once per format, each compared with the fp32 exchange's.
+int run(config cfg, int rank, int ranks) {
+  if (!cfg.every_format) return train(cfg, rank, ranks).status;
+  int status = 0;
+  float fp32_accuracy = 0;
+  for (const format_name& f : formats) {
+    cfg.format = f.format;
+    const outcome o = train(cfg, rank, ranks);
+    if (f.format == gradavg::compression::none) fp32_accuracy = o.test_accuracy;
+    const float points = 100 * (o.test_accuracy - fp32_accuracy);
+    const bool close = points >= -0.5f;
+    if (rank == 0)
+      std::printf("compression %-4s  test accuracy %5.1f%%  (%+.2f points against the fp32 exchange%s)\n", f.name,
+                  100 * o.test_accuracy, points, close ? "" : ": FAILED, more than 0.5 below");
+    status |= o.status | (close ? 0 : 1);
+  }
+  return status;
 }
 
 }  // namespace
@@ -182,13 +247,13 @@ int main(int argc, char** argv) {
   int status = 2;
   if (const std::optional<config> cfg = parse_args(argc, argv, ranks)) {
     try {
-      status = train(*cfg, rank, ranks);
+      status = run(*cfg, rank, ranks);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
       status = 1;
     }
   } else if (rank == 0) {
-    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--quiet]\n", argv[0],
+    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--compression none|bf16|fp16|all] [--quiet]\n", argv[0],
                  train_size / shard_size / ranks);
   }
   MPI_Finalize();

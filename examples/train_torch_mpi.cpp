@@ -9,19 +9,27 @@
 // the same on every rank, every replica's optimizer takes the same step, and broadcast_buffers
 // gives every replica rank 0's BatchNorm running statistics.
 //
-//   mpiexec -n 2 train_torch_mpi --data digits.csv [--replicas 2] [--epochs 30] [--one-shot] [--quiet]
+//   mpiexec -n 2 train_torch_mpi --data digits.csv [--replicas 2] [--epochs 30] [--one-shot]
+//       [--compression none|bf16|fp16|all] [--quiet]
+//
+// --compression: the exchange's wire format (gradavg::compression, an option of the helpers'
+// gradavg::mpi::options; default none); all: the training once per format from the same start,
+// each one's held-out accuracy printed beside the fp32 exchange's.
 //
 // Checks, each failing the program (exit 1 on every rank): the first step's averaged gradient
 // against the mean of the gradients of every slice of every rank computed one at a time by one
-// model (max relative difference under 1e-5), every replica of every rank bitwise identical at the
-// end (parameters and buffers), and held-out accuracy (eval mode) of at least 90%. Exit 77 when
-// the data file is missing (ctest reports it skipped).
+// model (max relative difference under 1e-5; with compression, the format's two roundings), every
+// replica of every rank bitwise identical at the end (parameters and buffers), held-out accuracy
+// (eval mode) of at least 90%, and with all, every format's within 0.5 points of the fp32
+// exchange's (or better). Exit 77 when the data file is missing (ctest reports it skipped).
 #include <gradavg/torch_mpi.hpp>
 
 #include <mpi.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -58,50 +66,20 @@ bool on_every_rank(bool ok) {
   return all == 1;
 }
 
-int run(int argc, char** argv, int rank, int ranks) {
-  std::string data_path;
-  int replica_count = 2, epochs = 30;
-  bool quiet = false, one_shot = false;
-  for (int a = 1; a < argc; ++a) {
-    const std::string_view arg = argv[a];
-    std::optional<int> value;
-    if (arg == "--quiet" || arg == "--one-shot") {
-      (arg == "--quiet" ? quiet : one_shot) = true;
-      continue;
-    }
-    if (a + 1 >= argc) {
-      if (rank == 0)
-        std::fprintf(stderr, "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] [--quiet]\n",
-                     argv[0]);
-      return 2;
-    }
-    const std::string_view next = argv[++a];
-    if (arg == "--data") {
-      data_path = next;
-    } else if (arg == "--replicas" && (value = parse_int(next, 1, 16))) {
-      replica_count = *value;
-    } else if (arg == "--epochs" && (value = parse_int(next, 1, 10000))) {
-      epochs = *value;
-    } else {
-      if (rank == 0) std::fprintf(stderr, "bad argument %s %s\n", argv[a - 1], argv[a]);
-      return 2;
-    }
-  }
-  const auto all = load(data_path);
-  if (!on_every_rank(all.has_value())) {
-    if (rank == 0) std::fprintf(stderr, "cannot read the digits from '%s' (scripts/fetch-digits.sh gets them)\n", data_path.c_str());
-    return 77;
-  }
-  // The replicas are the parallelism: one thread each. The same seed on every rank: the same
-  // split everywhere.
-  torch::set_num_threads(1);
-  torch::manual_seed(1);
-  const auto n = all->y.size(0);
-  const auto order = torch::randperm(n);
-  const auto n_train = n * 4 / 5;
-  const dataset train{all->x.index({order.slice(0, 0, n_train)}), all->y.index({order.slice(0, 0, n_train)})};
-  const dataset test{all->x.index({order.slice(0, n_train)}), all->y.index({order.slice(0, n_train)})};
+struct format_name {
+  gradavg::compression format;
+  const char* name;
+  double gradient_tolerance;  // the first step's, relative to the largest gradient element
+};
+const format_name formats[] = {{gradavg::compression::none, "none", 1e-5},
+                               {gradavg::compression::bfloat16, "bf16", 0x1p-7},
+                               {gradavg::compression::float16, "fp16", 0x1p-9}};
 
+/// One training from rank 0's start with one wire format: the held-out accuracy, or nothing
+/// after a failed check (reported).
+std::optional<double> train_with(const dataset& train_set, const dataset& test, int ranks, int rank, int replica_count,
+                                 int epochs, bool quiet, bool one_shot, const format_name& format) {
+  const auto n_train = train_set.y.size(0);
   const auto k_count = static_cast<std::size_t>(replica_count);
   const std::int64_t per_replica = 16;  // samples per replica and step
   const std::int64_t per_rank = per_replica * replica_count;
@@ -116,13 +94,15 @@ int run(int argc, char** argv, int rank, int ranks) {
   // Hooks on every replica's parameters; buckets of 2 KiB, as this model is small (about 10 KiB of
   // parameters). Collective: every rank constructs it.
   std::optional<gradavg::libtorch::mpi_data_parallel> overlapped;
-  if (!one_shot) overlapped.emplace(MPI_COMM_WORLD, replicas, gradavg::mpi::options{}, gradavg::libtorch::module_options{},
+  gradavg::mpi::options opts;
+  opts.exchange.compression = format.format;
+  if (!one_shot) overlapped.emplace(MPI_COMM_WORLD, replicas, opts, gradavg::libtorch::module_options{},
                                     gradavg::libtorch::bucket_options{.bytes = 2048});
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
   for (auto& r : replicas)
     optimizers.push_back(std::make_unique<torch::optim::SGD>(r->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
 
-  constexpr double gradient_tolerance = 1e-5;
+  const double gradient_tolerance = format.gradient_tolerance;
   bool checked_first_step = false;
   for (int epoch = 0; epoch < epochs; ++epoch) {
     const auto shuffle = torch::randperm(n_train);
@@ -130,7 +110,7 @@ int run(int argc, char** argv, int rank, int ranks) {
     int steps = 0;
     for (std::int64_t start = 0; start + batch <= n_train; start += batch, ++steps) {
       const auto rows = shuffle.slice(0, start, start + batch);
-      const auto x = train.x.index({rows}), y = train.y.index({rows});
+      const auto x = train_set.x.index({rows}), y = train_set.y.index({rows});
       std::vector<double> losses(k_count);
       {
         std::vector<std::jthread> threads;
@@ -145,11 +125,11 @@ int run(int argc, char** argv, int rank, int ranks) {
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, replicas)
+      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, replicas, opts)
                                    : overlapped->finish();
       if (!on_every_rank(report.report.averaged == 6)) {
         std::fprintf(stderr, "rank %d: FAILED: %zu parameters averaged, 6 expected\n", rank, report.report.averaged);
-        return 1;
+        return std::nullopt;
       }
       if (!checked_first_step) {
         const double difference =
@@ -163,7 +143,7 @@ int run(int argc, char** argv, int rank, int ranks) {
                       overlapped->buckets().size());
         if (!on_every_rank(difference <= gradient_tolerance)) {
           std::fprintf(stderr, "rank %d: FAILED: the averaged gradient differs from the reference\n", rank);
-          return 1;
+          return std::nullopt;
         }
         checked_first_step = true;
       }
@@ -188,7 +168,7 @@ int run(int argc, char** argv, int rank, int ranks) {
   if (!on_every_rank(same && h == h0)) {
     std::fprintf(stderr, "rank %d: FAILED: the replicas' parameters or buffers differ between replicas or ranks\n",
                  rank);
-    return 1;
+    return std::nullopt;
   }
   const double test_accuracy = accuracy(replicas[0], test);
   if (rank == 0)
@@ -198,9 +178,78 @@ int run(int argc, char** argv, int rank, int ranks) {
                 static_cast<long long>(test.y.size(0)));
   if (test_accuracy < 0.9) {
     std::fprintf(stderr, "FAILED: held-out accuracy under 90%%\n");
-    return 1;
+    return std::nullopt;
   }
-  return 0;
+  return test_accuracy;
+}
+
+int run(int argc, char** argv, int rank, int ranks) {
+  std::string data_path;
+  int replica_count = 2, epochs = 30;
+  bool quiet = false, one_shot = false;
+  std::vector<format_name> chosen = {formats[0]};
+  for (int a = 1; a < argc; ++a) {
+    const std::string_view arg = argv[a];
+    std::optional<int> value;
+    if (arg == "--quiet" || arg == "--one-shot") {
+      (arg == "--quiet" ? quiet : one_shot) = true;
+      continue;
+    }
+    if (a + 1 >= argc) {
+      if (rank == 0)
+        std::fprintf(stderr,
+                     "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] "
+                     "[--compression none|bf16|fp16|all] [--quiet]\n",
+                     argv[0]);
+      return 2;
+    }
+    const std::string_view next = argv[++a];
+    if (arg == "--data") {
+      data_path = next;
+    } else if (arg == "--replicas" && (value = parse_int(next, 1, 16))) {
+      replica_count = *value;
+    } else if (arg == "--epochs" && (value = parse_int(next, 1, 10000))) {
+      epochs = *value;
+    } else if (arg == "--compression" && next == "all") {
+      chosen.assign(std::begin(formats), std::end(formats));
+    } else if (arg == "--compression" && std::any_of(std::begin(formats), std::end(formats),
+                                                     [&](const format_name& f) { return next == f.name; })) {
+      chosen = {*std::find_if(std::begin(formats), std::end(formats), [&](const format_name& f) { return next == f.name; })};
+    } else {
+      if (rank == 0) std::fprintf(stderr, "bad argument %s %s\n", argv[a - 1], argv[a]);
+      return 2;
+    }
+  }
+  const auto all = load(data_path);
+  if (!on_every_rank(all.has_value())) {
+    if (rank == 0) std::fprintf(stderr, "cannot read the digits from '%s' (scripts/fetch-digits.sh gets them)\n", data_path.c_str());
+    return 77;
+  }
+  // The replicas are the parallelism: one thread each. The same seed on every rank: the same
+  // split everywhere.
+  torch::set_num_threads(1);
+  torch::manual_seed(1);
+  const auto n = all->y.size(0);
+  const auto order = torch::randperm(n);
+  const auto n_train = n * 4 / 5;
+  const dataset train{all->x.index({order.slice(0, 0, n_train)}), all->y.index({order.slice(0, 0, n_train)})};
+  const dataset test{all->x.index({order.slice(0, n_train)}), all->y.index({order.slice(0, n_train)})};
+
+  int status = 0;
+  double fp32_accuracy = -1;
+  for (const format_name& format : chosen) {
+    const std::optional<double> test_accuracy =
+        train_with(train, test, ranks, rank, replica_count, epochs, quiet, one_shot, format);
+    if (!test_accuracy) return 1;
+    if (format.format == gradavg::compression::none) fp32_accuracy = *test_accuracy;
+    if (chosen.size() > 1 && rank == 0) {
+      const double points = 100 * (*test_accuracy - fp32_accuracy);
+      std::printf("compression %-4s  held-out accuracy %5.1f%%  (%+.2f points against the fp32 exchange%s)\n",
+                  format.name, 100 * *test_accuracy, points, points < -0.5 ? ": FAILED, more than 0.5 below" : "");
+    }
+    if (*test_accuracy - fp32_accuracy < -0.005 && fp32_accuracy >= 0) status = 1;
+  }
+  return status;
 }
 
 }  // namespace
