@@ -5,8 +5,9 @@
 // block's scale would flush the flags of a block of large sums).
 //
 // The encoders are loops over whole blocks of a fixed count that the compiler vectorises; they
-// use integer operations and multiplications by powers of two only, so every instruction-set level
-// gives the same bits (ranks on different CPUs stay bitwise equal).
+// use integer operations, multiplications by powers of two and one exact float addition or
+// subtraction only, so every instruction-set level gives the same bits (ranks on different CPUs
+// stay bitwise equal).
 #pragma once
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "../isa.hpp"
 #include "../../options.hpp"
@@ -58,44 +60,55 @@ struct bucket_parts {
   }
 };
 
+// The conversions below select with masks (0 or all ones), not branches, and compare magnitudes
+// (below 2^31) as signed integers, which SSE2 has instructions for, so that their loops over a
+// block vectorise at -O2 at every instruction-set level.
+
+/// All ones where c, else 0.
+constexpr std::uint32_t mask_of(bool c) noexcept { return 0u - static_cast<std::uint32_t>(c); }
+
 /// bfloat16 bits of x, rounded to nearest even; NaN -> 0x7fc0 (quiet, positive).
 inline std::uint16_t bfloat16_bits(float x) noexcept {
   const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
   const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  return static_cast<std::uint16_t>(x != x ? 0x7fc0u : rounded);
+  const std::uint32_t nan = mask_of(static_cast<std::int32_t>(u & 0x7fffffffu) > 0x7f800000);
+  return static_cast<std::uint16_t>((nan & 0x7fc0u) | (~nan & rounded));
 }
 inline float from_bfloat16_bits(std::uint16_t h) noexcept { return std::bit_cast<float>(std::uint32_t{h} << 16); }
 
 /// IEEE half bits of x, rounded to nearest even: overflow -> infinity, NaN -> 0x7e00 with x's sign,
-/// subnormal halves rounded to nearest even too (branch-free: one integer path per case, selected).
+/// subnormal halves rounded to nearest even too.
 inline std::uint16_t half_bits(float x) noexcept {
   const std::uint32_t bits = std::bit_cast<std::uint32_t>(x);
   const std::uint32_t sign = bits & 0x80000000u;
   const std::uint32_t f = bits ^ sign;
+  const auto magnitude = static_cast<std::int32_t>(f);
   // Below the smallest normal half (2^-14): the float addition of 0.5 rounds the mantissa into place.
   const std::uint32_t denorm_magic = ((127 - 15) + (23 - 10) + 1) << 23;
-  const bool small = f < (113u << 23);
+  const std::uint32_t small = mask_of(magnitude < (113 << 23));
   const std::uint32_t small_value =
-      std::bit_cast<std::uint32_t>(std::bit_cast<float>(small ? f : 0u) + std::bit_cast<float>(denorm_magic)) -
-      denorm_magic;
+      std::bit_cast<std::uint32_t>(std::bit_cast<float>(f & small) + std::bit_cast<float>(denorm_magic)) - denorm_magic;
   const std::uint32_t odd = (f >> 13) & 1u;
   const std::uint32_t normal_value = (f + 0xc8000fffu + odd) >> 13;  // rebias (-112 << 23) and round
-  const bool big = f >= ((127 + 16) << 23);
-  const std::uint32_t big_value = f > (255u << 23) ? 0x7e00u : 0x7c00u;
-  const std::uint32_t o = big ? big_value : small ? small_value : normal_value;
+  const std::uint32_t big = mask_of(magnitude >= ((127 + 16) << 23));
+  const std::uint32_t big_value = 0x7c00u | (mask_of(magnitude > (255 << 23)) & 0x0200u);
+  std::uint32_t o = (small & small_value) | (~small & normal_value);
+  o = (big & big_value) | (~big & o);
   return static_cast<std::uint16_t>(o | (sign >> 16));
 }
 
 /// The float value of half bits h (exact).
 inline float from_half_bits(std::uint16_t h) noexcept {
   const std::uint32_t magnitude = h & 0x7fffu;
-  const std::uint32_t sign = std::uint32_t{static_cast<std::uint32_t>(h) & 0x8000u} << 16;
+  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
   const std::uint32_t exponent = magnitude & 0x7c00u;
   std::uint32_t o = (magnitude << 13) + ((127 - 15) << 23);
-  if (exponent == 0x7c00u) o += (128 - 16) << 23;  // infinity, NaN
-  const float subnormal = std::bit_cast<float>(o + (1u << 23)) - std::bit_cast<float>(113u << 23);
-  const std::uint32_t value = exponent == 0 ? std::bit_cast<std::uint32_t>(subnormal) : o;
-  return std::bit_cast<float>(value | sign);
+  o += mask_of(exponent == 0x7c00u) & ((128 - 16) << 23);  // infinity, NaN
+  // Subnormal halves: renormalised by one exact float subtraction.
+  const std::uint32_t subnormal =
+      std::bit_cast<std::uint32_t>(std::bit_cast<float>(o + (1u << 23)) - std::bit_cast<float>(113u << 23));
+  const std::uint32_t zero_exponent = mask_of(exponent == 0);
+  return std::bit_cast<float>(((zero_exponent & subnormal) | (~zero_exponent & o)) | sign);
 }
 
 /// The exponent k of a float16 block whose largest finite magnitude is m: m * 2^k in [2^14, 2^15);
@@ -105,6 +118,17 @@ inline int float16_block_exponent(float m) noexcept {
   int e = 0;
   (void)std::frexp(m, &e);  // m in [2^(e-1), 2^e)
   return std::min(15 - e, 127);
+}
+
+/// The largest finite magnitude of x[0, block_values) (0 when none).
+inline float largest_finite(const float* x) noexcept {
+  std::int32_t m = 0;  // the bits of non-negative floats order as the floats do
+  for (std::size_t j = 0; j < block_values; ++j) {
+    const auto a = static_cast<std::int32_t>(std::bit_cast<std::uint32_t>(x[j]) & 0x7fffffffu);
+    const std::int32_t finite = a & static_cast<std::int32_t>(mask_of(a < 0x7f800000));
+    m = m > finite ? m : finite;
+  }
+  return std::bit_cast<float>(m);
 }
 
 /// A wire format: how a bucket's blocks are encoded and decoded. Buf: the fusion buffer's element
@@ -121,16 +145,20 @@ struct codec {
 
   /// Encodes block `place` of buffer into `to` (block_bytes()), the padding as zeros.
   void encode(const Buf* buffer, bucket_parts::block_place place, std::byte* to) const noexcept {
-    float x[block_values];
-    for (std::size_t j = 0; j < block_values; ++j) x[j] = 0.0f;
-    for (std::size_t j = 0; j < place.count; ++j) x[j] = static_cast<float>(buffer[place.at + j]);
+    float padded[block_values];
+    const float* x = padded;
+    if constexpr (std::is_same_v<Buf, float>) {
+      if (place.count == block_values) x = buffer + place.at;  // a whole block: read in place
+    }
+    if (x == padded) {
+      for (std::size_t j = 0; j < place.count; ++j) padded[j] = static_cast<float>(buffer[place.at + j]);
+      for (std::size_t j = place.count; j < block_values; ++j) padded[j] = 0.0f;
+    }
     std::uint16_t h[block_values];
     if (format == compression::bfloat16) {
       for (std::size_t j = 0; j < block_values; ++j) h[j] = bfloat16_bits(x[j]);
     } else {
-      float m = 0.0f;
-      for (std::size_t j = 0; j < block_values; ++j) m = std::max(m, std::isfinite(x[j]) ? std::fabs(x[j]) : 0.0f);
-      const std::int32_t k = float16_block_exponent(m);
+      const std::int32_t k = float16_block_exponent(largest_finite(x));
       const float scale = std::ldexp(1.0f, k);
       for (std::size_t j = 0; j < block_values; ++j) h[j] = half_bits(x[j] * scale);
       std::memcpy(to, &k, sizeof k);
@@ -140,7 +168,7 @@ struct codec {
   }
 
   /// The block_values values of the encoded block at `from`, as floats.
-  void decode(const std::byte* from, float (&x)[block_values]) const noexcept {
+  void decode(const std::byte* from, float* x) const noexcept {
     std::uint16_t h[block_values];
     if (format == compression::bfloat16) {
       std::memcpy(h, from, sizeof h);
@@ -156,6 +184,9 @@ struct codec {
 
   /// Decodes the block at `from` into block `place` of buffer.
   void decode_into(const std::byte* from, bucket_parts::block_place place, Buf* buffer) const noexcept {
+    if constexpr (std::is_same_v<Buf, float>) {
+      if (place.count == block_values) return decode(from, buffer + place.at);  // a whole block: in place
+    }
     float x[block_values];
     decode(from, x);
     for (std::size_t j = 0; j < place.count; ++j) buffer[place.at + j] = static_cast<Buf>(x[j]);

@@ -184,7 +184,7 @@ struct owner_sum {
         return r == rank ? encoded + k * l.element : received + l.received_at(r, rank) + at;
       };
       float x[block_values];
-      Buf sum[block_values];
+      Buf sum[block_values];  // the slice's sums in Buf, rank order
       format.decode(block_of(0), x);
       for (std::size_t j = 0; j < block_values; ++j) sum[j] = static_cast<Buf>(x[j]);
       for (int r = 1; r < ranks; ++r) {
