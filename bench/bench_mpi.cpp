@@ -176,7 +176,7 @@ struct method {
 };
 
 /// Runs one cell; false when a gradavg result differed between ranks or from run to run.
-bool run_model(const model_shapes& m, int towers, bool with_squares, const config& cfg, int ranks) {
+bool run_model(const model_shapes& m, int towers, bool with_squares, const config& cfg, int ranks, double gbit) {
   problem p(m, towers);
   const float total_towers = static_cast<float>(towers * ranks);
   const std::size_t V = p.sizes.size();
@@ -443,9 +443,16 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 methods[first_gradavg].name.c_str(), med[first_gradavg] / allreduce, med[first_gradavg] / bound,
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
-    for (std::size_t j = uncompressed_end; j < methods.size(); ++j)
-      std::printf("    %s: %.2fx allreduce, %.2fx %s\n", methods[j].name.c_str(), med[j] / allreduce,
-                  med[j] / med[best], methods[best].name.c_str());
+    // The link's time for the bytes a rank sends (each direction): 2(n-1)/n of the encoded
+    // values (blocks of 256 values: 512 bytes in bf16, 516 in fp16), at the link check's rate.
+    for (std::size_t j = uncompressed_end; j < methods.size(); ++j) {
+      const double block_bytes = j == uncompressed_end ? 512.0 : 516.0;
+      const double sent = 2.0 * (ranks - 1) / ranks * static_cast<double>(all_floats) * block_bytes / 256.0;
+      const double link_ms = sent * 8 / (gbit * 1e9) * 1e3;
+      std::printf("    %s: %.2fx allreduce, %.2fx %s; the link's time for its bytes %.3g ms: %.2fx of it\n",
+                  methods[j].name.c_str(), med[j] / allreduce, med[j] / med[best], methods[best].name.c_str(), link_ms,
+                  med[j] / link_ms);
+    }
     std::fflush(stdout);
   }
   return same;
@@ -516,7 +523,7 @@ int main(int argc, char** argv) {
     if (cfg.model != "all" && cfg.model != m.name) continue;
     for (int towers : cfg.towers)
       for (int sq : {0, 1})
-        if (cfg.squares == 2 || cfg.squares == sq) same = run_model(m, towers, sq == 1, cfg, ranks) && same;
+        if (cfg.squares == 2 || cfg.squares == sq) same = run_model(m, towers, sq == 1, cfg, ranks, gbit) && same;
   }
   MPI_Finalize();
   return same ? 0 : 1;
