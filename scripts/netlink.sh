@@ -9,6 +9,10 @@
 #   netlink.sh setup N       namespaces ga0 .. ga{N-1} and gahub (tears down old ones first)
 #   netlink.sh shape RATE    tbf at RATE (tc syntax: 1gbit, 2500mbit; none: unshaped) on every port
 #   netlink.sh run CMD...    CMD as an MPI job of N ranks, rank r in namespace ga{r}
+#   netlink.sh each CMD...   CMD once in every namespace at once, not MPI: torchrun's variables
+#                            RANK=r, WORLD_SIZE=N, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, MASTER_ADDR
+#                            (rank 0's address), MASTER_PORT (29500), and GLOO_SOCKET_IFNAME (the
+#                            rank's port); fails if any rank fails
 #   netlink.sh teardown      deletes the namespaces (and with them the veth pairs and the bridge)
 #
 # What the job needs (each found by trying): mpirun runs inside rank 0's namespace, with PMIx's TCP
@@ -106,12 +110,26 @@ run() {
     --mca oob_tcp_if_include "${pfx}0r" "${flags[@]}" "${apps[@]}" < /dev/null
 }
 
+each() {
+  local n r pids=() rc=0
+  n="$(ranks)"
+  [ "$n" -ge 2 ] || { echo "netlink.sh: run setup first" >&2; exit 2; }
+  for ((r = 0; r < n; ++r)); do
+    timeout -k 10 "${NETLINK_TIMEOUT:-3600}" ip netns exec "$pfx$r" env RANK="$r" WORLD_SIZE="$n" LOCAL_RANK=0 \
+      LOCAL_WORLD_SIZE=1 MASTER_ADDR="$net.1" MASTER_PORT=29500 GLOO_SOCKET_IFNAME="$pfx${r}r" "$@" < /dev/null &
+    pids+=($!)
+  done
+  for r in "${pids[@]}"; do wait "$r" || rc=$?; done
+  return "$rc"
+}
+
 cmd="${1:-}"
 [ $# -eq 0 ] || shift
 case "$cmd" in
   setup) setup "${1:?N}" ;;
   shape) shape "${1:?RATE}" ;;
   run) run "$@" ;;
+  each) each "$@" ;;
   teardown) teardown ;;
-  *) sed -n '2,21p' "$0"; exit 2 ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac
