@@ -1,7 +1,7 @@
 // The wire formats' encoding and decoding (gradavg::compression; detail/processes/codec.hpp)
 // against a copy of the same float values, measured by alternation in one run, one thread.
 //
-// codec/<format>/n:<n>   n floats (a 1 MiB bucket stays in cache, as in a call; 64 MiB does
+// codec/<format>/n:<n>   (bf16, fp16, int8) n floats (a 1 MiB bucket stays in cache, as in a call; 64 MiB does
 //   not). Each iteration is one round: copy, encode, decode, each run `calls` times back to
 //   back and timed on its own, the round's start rotating. Counters: medians over rounds of
 //   nanoseconds per value (ns.copy, ns.encode, ns.decode) and of per-round ratios of the copy's
@@ -18,6 +18,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <stdexcept>
@@ -50,7 +51,7 @@ void codec(benchmark::State& state, gradavg::compression format) {
   const std::size_t blocks = parts.blocks();
   std::vector<std::byte> encoded(blocks * c.block_bytes());
   auto encode = [&] {
-    for (std::size_t k = 0; k < blocks; ++k) c.encode(values.data(), parts.place(k), encoded.data() + k * c.block_bytes());
+    for (std::size_t k = 0; k < blocks; ++k) c.encode(values.data(), parts.place(k), encoded.data() + k * c.block_bytes(), static_cast<std::uint32_t>(k));
     benchmark::DoNotOptimize(encoded.data());
   };
   auto decode = [&] {
@@ -63,11 +64,15 @@ void codec(benchmark::State& state, gradavg::compression format) {
   };
   encode();
   decode();
-  const float u = format == gradavg::compression::bfloat16 ? 0x1p-8f : 0x1p-11f;
+  // Within the format's rounding: bfloat16 of the value, float16 of the block's largest, int8
+  // one step (1/127) of the block's largest.
+  const float u = format == gradavg::compression::bfloat16 ? 0x1p-8f
+                  : format == gradavg::compression::float16 ? 0x1p-11f
+                                                             : 1.0f / 127;
   float largest = 0;
   for (float x : values) largest = std::max(largest, std::fabs(x));
   for (std::size_t j = 0; j < n; ++j)
-    if (!(std::fabs(decoded[j] - values[j]) <= u * (format == gradavg::compression::bfloat16 ? std::fabs(values[j]) : largest)))
+    if (!(std::fabs(decoded[j] - values[j]) <= 1.001f * u * (format == gradavg::compression::bfloat16 ? std::fabs(values[j]) : largest)))
       throw std::runtime_error("bench_codec: a decoded value is off");
 
   const int calls = std::max(1, static_cast<int>((std::size_t{32} << 20) / (n * sizeof(float))));
@@ -97,6 +102,7 @@ void codec(benchmark::State& state, gradavg::compression format) {
 }  // namespace
 
 BENCHMARK_CAPTURE(codec, bf16, gradavg::compression::bfloat16)->Arg(1 << 18)->Arg(1 << 24)->ArgName("n")->Iterations(15)->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(codec, int8, gradavg::compression::int8)->Arg(1 << 18)->Arg(1 << 24)->ArgName("n")->Iterations(15)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(codec, fp16, gradavg::compression::float16)->Arg(1 << 18)->Arg(1 << 24)->ArgName("n")->Iterations(15)->Unit(benchmark::kMillisecond);
 
 BENCHMARK_MAIN();

@@ -18,12 +18,15 @@
 //                  --point-to-point 1 also gradavg/F/point_to_point (options.exchange.method)
 //   gradavg/F/plan the first gradavg/F with a gradavg::plan kept across rounds (every call after
 //                  the first: no agreement collective); only with --plan 1 (the default)
-//   gradavg/auto/bf16/plan, gradavg/auto/fp16/plan  the same with options.exchange.compression
-//                  bfloat16 and float16 (each with a plan of its own); only with --compression 1
+//   gradavg/auto/bf16/plan, gradavg/auto/fp16/plan, gradavg/auto/int8_ef/plan  the same with
+//                  options.exchange.compression bfloat16, float16 and int8 (with error feedback: a
+//                  residual kept across calls, a new seed each call), each with a plan of its own;
+//                  only with --compression 1
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round; each round starts one method later.
 // Every gradavg result (every fusion size, every round) is hashed and compared across ranks and
-// with the first of its wire format: the bench exits 1 if any differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
+// with the first of its wire format (int8 with error feedback: across ranks only): the bench
+// exits 1 if any differs. Before the models, a link check: each rank exchanges 32 MiB with rank ^ 1
 // (MPI_Sendrecv, median of 5), reported in Gbit/s per direction.
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
@@ -378,15 +381,24 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                        0});
   }
   const std::size_t uncompressed_end = methods.size();
-  std::vector<gradavg::mpi::workspace> compressed_work(2);
-  std::vector<gradavg::plan> compressed_plans(2);
-  for (int c = 0; c < (cfg.compression ? 2 : 0); ++c) {
-    const auto format = c == 0 ? gradavg::compression::bfloat16 : gradavg::compression::float16;
-    methods.push_back({std::string("gradavg/auto/") + (c == 0 ? "bf16" : "fp16") + "/plan",
+  const gradavg::compression formats[3] = {gradavg::compression::bfloat16, gradavg::compression::float16,
+                                           gradavg::compression::int8};
+  const char* format_names[3] = {"bf16", "fp16", "int8_ef"};
+  std::vector<gradavg::mpi::workspace> compressed_work(3);
+  std::vector<gradavg::plan> compressed_plans(3);
+  std::vector<float> residual(cfg.compression ? p.total : 0, 0.0f);  // int8's error feedback
+  std::uint64_t step = 0;
+  for (int c = 0; c < (cfg.compression ? 3 : 0); ++c) {
+    const auto format = formats[c];
+    methods.push_back({std::string("gradavg/auto/") + format_names[c] + "/plan",
                        [&, c, format] {
                          gradavg::mpi::options opts;
                          opts.exchange.work = &compressed_work[static_cast<std::size_t>(c)];
                          opts.exchange.compression = format;
+                         if (format == gradavg::compression::int8) {
+                           opts.exchange.residual = residual;
+                           opts.exchange.seed = ++step;
+                         }
                          opts.run.threads = cfg.threads;
                          auto& pl = compressed_plans[static_cast<std::size_t>(c)];
                          if (with_squares)
@@ -398,8 +410,8 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
 
   // Rounds: every method once per round, in order; round 0 is the warm-up.
   std::vector<std::vector<double>> times(methods.size());
-  std::uint64_t reference[3] = {};
-  bool same = true, have_reference[3] = {};
+  std::uint64_t reference[4] = {};
+  bool same = true, have_reference[4] = {};
   for (int round = 0; round <= cfg.rounds; ++round)
     for (std::size_t n = 0; n < methods.size(); ++n) {
       // Each round starts one method later: no method always follows the same one (a shaped
@@ -410,7 +422,8 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
       const int g = methods[j].format;
       if (g < 0) continue;
       const std::uint64_t h = hash_of(p.means) ^ (with_squares ? hash_of(p.squares) * 31 : 0);
-      if (!have_reference[g]) {
+      // int8 with error feedback: a new seed and residual each call, so only the ranks compare.
+      if (!have_reference[g] || g == static_cast<int>(gradavg::compression::int8)) {
         reference[g] = h;
         MPI_Bcast(&reference[g], 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
         have_reference[g] = true;
@@ -444,9 +457,10 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
     // The link's time for the bytes a rank sends (each direction): 2(n-1)/n of the encoded
-    // values (blocks of 256 values: 512 bytes in bf16, 516 in fp16), at the link check's rate.
+    // values (blocks of 256 values: 512 bytes in bf16, 516 in fp16, 260 in int8), at the link
+    // check's rate.
     for (std::size_t j = uncompressed_end; j < methods.size(); ++j) {
-      const double block_bytes = j == uncompressed_end ? 512.0 : 516.0;
+      const double block_bytes = j == uncompressed_end ? 512.0 : j == uncompressed_end + 1 ? 516.0 : 260.0;
       const double sent = 2.0 * (ranks - 1) / ranks * static_cast<double>(all_floats) * block_bytes / 256.0;
       const double link_ms = sent * 8 / (gbit * 1e9) * 1e3;
       std::printf("    %s: %.2fx allreduce, %.2fx %s; the link's time for its bytes %.3g ms: %.2fx of it\n",

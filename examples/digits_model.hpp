@@ -12,6 +12,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace digits {
@@ -43,6 +44,17 @@ struct dataset {
   torch::Tensor x;  // [n, 64] float, pixels scaled to [0, 1]
   torch::Tensor y;  // [n] int64 labels
 };
+
+/// The digits split the same way in every process: a fixed shuffle (seed 1), then 80% to train
+/// on and 20% held out.
+inline std::pair<dataset, dataset> split_held_out(const dataset& all) {
+  torch::manual_seed(1);
+  const auto n = all.y.size(0);
+  const auto order = torch::randperm(n);
+  const auto n_train = n * 4 / 5;
+  return {{all.x.index({order.slice(0, 0, n_train)}), all.y.index({order.slice(0, 0, n_train)})},
+          {all.x.index({order.slice(0, n_train)}), all.y.index({order.slice(0, n_train)})}};
+}
 
 /// digits.csv: 65 integers a line. Returns nothing when the file cannot be opened.
 inline std::optional<dataset> load(const std::string& path) {

@@ -4,9 +4,10 @@
 // into each rank's tower 0, and every rank takes the same step of SGD with momentum (the average
 // is bitwise the same on every rank, so the models never drift apart).
 //
-//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|all] [--quiet]
+//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|int8|all] [--quiet]
 //
-// --compression: the exchange's wire format (gradavg::compression; default none); all: the same
+// --compression: the exchange's wire format (gradavg::compression; default none; int8 with error
+// feedback, a residual per rank kept across steps); all: the same
 // training once per format from the same start, each one's accuracy printed beside the fp32
 // exchange's.
 //
@@ -48,6 +49,7 @@ float gradient_tolerance(gradavg::compression format) {
   switch (format) {
     case gradavg::compression::bfloat16: return 0x1p-7f;
     case gradavg::compression::float16: return 0x1p-9f;
+    case gradavg::compression::int8: return 0x1p-5f;  // a step, 1/127 of a block's largest, twice
     default: return 1e-4f;
   }
 }
@@ -56,9 +58,10 @@ struct format_name {
   gradavg::compression format;
   const char* name;
 };
-constexpr std::array<format_name, 3> formats = {{{gradavg::compression::none, "none"},
+constexpr std::array<format_name, 4> formats = {{{gradavg::compression::none, "none"},
                                                  {gradavg::compression::bfloat16, "bf16"},
-                                                 {gradavg::compression::float16, "fp16"}}};
+                                                 {gradavg::compression::float16, "fp16"},
+                                                 {gradavg::compression::int8, "int8"}}};
 
 struct config {
   int towers = 2;
@@ -136,6 +139,12 @@ outcome train(const config& cfg, int rank, int ranks) {
   opts.exchange.work = &work;
   opts.compute.statistics = true;
   opts.exchange.compression = cfg.format;
+  // int8 with error feedback: this rank's residual, one float per parameter, kept across steps.
+  std::vector<float> residual;
+  if (cfg.format == gradavg::compression::int8) {
+    for (const auto& m : means) residual.resize(residual.size() + static_cast<std::size_t>(m.size()));
+    opts.exchange.residual = residual;
+  }
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet && rank == 0) {
@@ -169,7 +178,9 @@ outcome train(const config& cfg, int rank, int ranks) {
       loss_and_gradient(model, epoch.x.middleCols(batch_start, batch_size), epoch.y.segment(batch_start, batch_size),
                         full_batch_gradient);
 
-    // With a plan, steps after the first skip the agreement on variables and shapes.
+    // With a plan, steps after the first skip the agreement on variables and shapes. A new
+    // stochastic rounding each step (int8).
+    opts.exchange.seed = static_cast<std::uint64_t>(step);
     const gradavg::summary summary =
         gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, tower_grads, means, opts);
 
@@ -253,7 +264,7 @@ int main(int argc, char** argv) {
       status = 1;
     }
   } else if (rank == 0) {
-    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--compression none|bf16|fp16|all] [--quiet]\n", argv[0],
+    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--compression none|bf16|fp16|int8|all] [--quiet]\n", argv[0],
                  train_size / shard_size / ranks);
   }
   MPI_Finalize();

@@ -10,10 +10,11 @@
 // gives every replica rank 0's BatchNorm running statistics.
 //
 //   mpiexec -n 2 train_torch_mpi --data digits.csv [--replicas 2] [--epochs 30] [--one-shot]
-//       [--compression none|bf16|fp16|all] [--quiet]
+//       [--compression none|bf16|fp16|int8|all] [--quiet]
 //
 // --compression: the exchange's wire format (gradavg::compression, an option of the helpers'
-// gradavg::mpi::options; default none); all: the training once per format from the same start,
+// gradavg::mpi::options; default none; int8 without error feedback, which the helpers do not
+// take); all: the training once per format from the same start,
 // each one's held-out accuracy printed beside the fp32 exchange's.
 //
 // Checks, each failing the program (exit 1 on every rank): the first step's averaged gradient
@@ -73,7 +74,8 @@ struct format_name {
 };
 const format_name formats[] = {{gradavg::compression::none, "none", 1e-5},
                                {gradavg::compression::bfloat16, "bf16", 0x1p-7},
-                               {gradavg::compression::float16, "fp16", 0x1p-9}};
+                               {gradavg::compression::float16, "fp16", 0x1p-9},
+                               {gradavg::compression::int8, "int8", 0x1p-5}};
 
 /// One training from rank 0's start with one wire format: the held-out accuracy, or nothing
 /// after a failed check (reported).
@@ -199,7 +201,7 @@ int run(int argc, char** argv, int rank, int ranks) {
       if (rank == 0)
         std::fprintf(stderr,
                      "usage: %s --data digits.csv [--replicas K] [--epochs N] [--one-shot] "
-                     "[--compression none|bf16|fp16|all] [--quiet]\n",
+                     "[--compression none|bf16|fp16|int8|all] [--quiet]\n",
                      argv[0]);
       return 2;
     }
@@ -225,15 +227,9 @@ int run(int argc, char** argv, int rank, int ranks) {
     if (rank == 0) std::fprintf(stderr, "cannot read the digits from '%s' (scripts/fetch-digits.sh gets them)\n", data_path.c_str());
     return 77;
   }
-  // The replicas are the parallelism: one thread each. The same seed on every rank: the same
-  // split everywhere.
+  // The replicas are the parallelism: one thread each. The same split on every rank.
   torch::set_num_threads(1);
-  torch::manual_seed(1);
-  const auto n = all->y.size(0);
-  const auto order = torch::randperm(n);
-  const auto n_train = n * 4 / 5;
-  const dataset train{all->x.index({order.slice(0, 0, n_train)}), all->y.index({order.slice(0, 0, n_train)})};
-  const dataset test{all->x.index({order.slice(0, n_train)}), all->y.index({order.slice(0, n_train)})};
+  const auto [train, test] = split_held_out(*all);
 
   int status = 0;
   double fp32_accuracy = -1;

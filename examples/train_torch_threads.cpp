@@ -78,14 +78,8 @@ int main(int argc, char** argv) {
   }
   // Each replica runs its forward and backward passes on one thread: the replicas are the parallelism.
   torch::set_num_threads(1);
-  torch::manual_seed(1);
-
-  // A fixed shuffle, then 80% to train on and 20% held out.
-  const auto n = all->y.size(0);
-  const auto order = torch::randperm(n);
-  const auto n_train = n * 4 / 5;
-  const dataset train{all->x.index({order.slice(0, 0, n_train)}), all->y.index({order.slice(0, 0, n_train)})};
-  const dataset test{all->x.index({order.slice(0, n_train)}), all->y.index({order.slice(0, n_train)})};
+  const auto [train, test] = split_held_out(*all);
+  const auto n_train = train.y.size(0);
 
   const auto k_count = static_cast<std::size_t>(replica_count);
   const std::int64_t per_replica = 16;  // samples per replica and step

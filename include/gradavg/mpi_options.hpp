@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "detail/processes/workspace.hpp"
@@ -98,6 +99,18 @@ struct exchange_options {
   /// How the sums are encoded on the wire (gradavg::compression): none, or a lossy 16-bit format
   /// that halves the bytes every rank sends and receives.
   gradavg::compression compression = gradavg::compression::none;
+  /// Error feedback for a lossy compression: empty (the default), or this rank's residual, one
+  /// float per element of the averaged variables (their sizes' sum, in the flat order of
+  /// compute.range; option_error otherwise), zero at the start and kept by the caller between
+  /// calls (4 bytes per parameter). Each call adds it into this rank's contribution before the
+  /// encoding and stores back what the encoding dropped, and, for the slices this rank owns, what
+  /// the sum's encoding dropped, so that every dropped part reaches a later step's sum (EF-SGD).
+  /// Reset it (fill with zeros) when the gradients' scale changes (a new loss scale) or on
+  /// restart; after a call that throws it is unspecified. Must overlap no gradient or output.
+  std::span<float> residual = {};
+  /// The stochastic rounding's seed (compression::int8): the same seed, ranks and buffers give
+  /// the same bits; pass the step number for a new rounding each step.
+  std::uint64_t seed = 0;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };

@@ -82,8 +82,6 @@ std::pair<std::vector<Buf>, std::vector<Buf>> compressed_reference(const std::ve
   return {means, squares};
 }
 
-const std::vector<std::size_t> sizes = {1, 7, 300, 4097, 33, 64};
-
 /// One tower per rank of random values times `magnitude` (seeded by rank and variable).
 template <class S>
 std::vector<towers_of<S>> one_tower_per_rank(int ranks, S magnitude) {
@@ -103,13 +101,6 @@ template <class S>
 std::vector<S> flat(const std::vector<vector_of<S>>& variables) {
   std::vector<S> out;
   for (const auto& v : variables) out.insert(out.end(), v.data(), v.data() + v.size());
-  return out;
-}
-
-template <class S>
-std::vector<vector_of<S>> sentinel_outputs() {
-  std::vector<vector_of<S>> out;
-  for (std::size_t n : sizes) out.push_back(vector_of<S>::Constant(static_cast<Eigen::Index>(n), sentinel<S>));
   return out;
 }
 
@@ -273,9 +264,7 @@ TEST_CASE("compressed exchange: every rank passes the same format, a named one")
     return o;
   });
   for (const auto& r : differ) {
-    const std::string message = message_of<gradavg::option_error>([&] {
-      if (r.failure) std::rethrow_exception(r.failure);
-    });
+    const std::string message = failure_of<gradavg::option_error>(r);
     CHECK(contains(message, "gradavg::threads: rank 1 passes a different options.exchange.compression than ranks 0 and 2"));
     CHECK(r.means[0][0] == sentinel<float>);
   }
@@ -285,9 +274,150 @@ TEST_CASE("compressed exchange: every rank passes the same format, a named one")
     return o;
   });
   for (const auto& r : unnamed) {
-    const std::string message = message_of<gradavg::option_error>([&] {
-      if (r.failure) std::rethrow_exception(r.failure);
-    });
+    const std::string message = failure_of<gradavg::option_error>(r);
     CHECK(contains(message, "options.exchange.compression holds 9"));
+  }
+}
+
+TEST_CASE("int8 codec: each value within one step of its block's largest, the rounding unbiased") {
+  namespace p = gradavg::detail::processes;
+  const p::codec<float> c{compression::int8};
+  REQUIRE(c.block_bytes() == 260);
+  float x[256];
+  for (int j = 0; j < 256; ++j) x[j] = std::ldexp(static_cast<float>((j * 37) % 256) - 127.5f, -12);
+  float m = 0;
+  for (float v : x) m = std::max(m, std::fabs(v));
+  const float step = m / 127;
+  std::vector<double> mean(256, 0.0);
+  std::vector<std::byte> block(c.block_bytes());
+  const int seeds = 4096;
+  for (int key = 0; key < seeds; ++key) {
+    c.encode(x, {0, 256, 0, 0}, block.data(), static_cast<std::uint32_t>(key));
+    float y[256];
+    c.decode(block.data(), y);
+    for (int j = 0; j < 256; ++j) {
+      REQUIRE(std::fabs(y[j] - x[j]) <= step * 1.0001f);
+      mean[static_cast<std::size_t>(j)] += y[j] / seeds;
+    }
+  }
+  // Unbiased: over 4096 roundings the mean is the value within 1/32 of a step (the rounding's
+  // standard deviation is at most half a step: 1/128 of one over 4096 draws; 4 of those).
+  for (int j = 0; j < 256; ++j) CHECK(std::fabs(mean[static_cast<std::size_t>(j)] - x[j]) <= step / 32);
+  // A block holding an infinity decodes as NaN.
+  x[7] = std::numeric_limits<float>::infinity();
+  c.encode(x, {0, 256, 0, 0}, block.data(), 1);
+  float y[256];
+  c.decode(block.data(), y);
+  CHECK(std::isnan(y[0]));
+  CHECK(std::isnan(y[255]));
+}
+
+TEST_CASE("int8 exchange: ranks bitwise equal, the same seed the same bits, every mean within the two roundings") {
+  for (int ranks : {2, 3, 4}) {
+    INFO("ranks " << ranks);
+    const auto towers = one_tower_per_rank<float>(ranks, 1.0f);
+    auto run = [&](std::uint64_t seed) {
+      return average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int) {
+        thread_options o;
+        o.exchange.compression = compression::int8;
+        o.exchange.seed = seed;
+        o.exchange.fusion_bytes = 3000;
+        return o;
+      });
+    };
+    const auto first = run(5), again = run(5), other = run(6);
+    for (std::size_t r = 0; r < first.size(); ++r) {
+      REQUIRE_FALSE(first[r].failure);
+      CHECK(same_bits_as(flat(first[r].means), flat(first[0].means)));
+      CHECK(same_bits_as(flat(first[r].squares), flat(first[0].squares)));
+      CHECK(same_bits_as(flat(again[r].means), flat(first[0].means)));
+    }
+    CHECK_FALSE(same_bits_as(flat(other[0].means), flat(first[0].means)));
+    // Each rank's contribution within one step (1/127) of its block's largest value, the sum's
+    // encoding within one step of the sum's: bounded by the largest magnitudes over everything.
+    std::vector<std::vector<float>> values;
+    double bound = 0;
+    for (const auto& rank : towers) {
+      std::vector<vector_of<float>> v;
+      for (const auto& pair : rank[0]) v.push_back(pair.first);
+      values.push_back(flat(v));
+      double largest = 0;
+      for (float x : values.back()) largest = std::max(largest, std::fabs(double(x)));
+      bound += 2 * largest / 127;
+    }
+    const auto got = flat(first[0].means);
+    for (std::size_t j = 0; j < got.size(); ++j) {
+      double exact = 0;
+      for (const auto& v : values) exact += double(v[j]);
+      CHECK(std::fabs(double(got[j]) - exact / ranks) <= bound / ranks * 1.001);
+    }
+  }
+}
+
+TEST_CASE("error feedback: the means of many steps converge to the exact mean, as without it they do not") {
+  // The same gradients every step: with error feedback what each encoding drops is sent later,
+  // so the sum over K steps of the means is K times the exact mean up to the residuals (within
+  // a few roundings in all); bfloat16 without it repeats the same rounding every step.
+  const int ranks = 3, steps = 64;
+  const auto towers = one_tower_per_rank<float>(ranks, 1.0f);
+  std::vector<std::vector<float>> values;
+  for (const auto& rank : towers) {
+    std::vector<vector_of<float>> v;
+    for (const auto& pair : rank[0]) v.push_back(pair.first);
+    values.push_back(flat(v));
+  }
+  const std::size_t total = values[0].size();
+  for (compression format : {compression::bfloat16, compression::float16, compression::int8}) {
+    INFO("format " << static_cast<int>(format));
+    for (bool feedback : {true, false}) {
+      std::vector<std::vector<float>> residual(ranks, std::vector<float>(total, 0.0f));
+      std::vector<double> sum(total, 0.0);
+      for (int k = 0; k < steps; ++k) {
+        const auto results = average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int r) {
+          thread_options o;
+          o.exchange.compression = format;
+          o.exchange.seed = static_cast<std::uint64_t>(k);
+          o.exchange.fusion_bytes = 3000;
+          if (feedback) o.exchange.residual = residual[static_cast<std::size_t>(r)];
+          return o;
+        });
+        REQUIRE_FALSE(results[0].failure);
+        const auto m = flat(results[0].means);
+        for (std::size_t j = 0; j < total; ++j) sum[j] += m[j];
+      }
+      double worst = 0, largest = 0;
+      for (std::size_t j = 0; j < total; ++j) {
+        double exact = 0;
+        for (const auto& v : values) {
+          exact += double(v[j]);
+          largest = std::max(largest, std::fabs(double(v[j])));
+        }
+        worst = std::max(worst, std::fabs(sum[j] / steps - exact / ranks));
+      }
+      // With feedback: the residuals (a rounding of each contribution and of the owner's sum) over
+      // K steps, plus float's own; the step is int8's (1/127 of the largest), the largest there is.
+      const double step = largest / 127;
+      if (feedback) CHECK(worst <= 4 * step / steps + 1e-5);
+      if (!feedback && format == compression::bfloat16) CHECK(worst > 4 * step / steps + 1e-5);
+    }
+  }
+}
+
+TEST_CASE("error feedback: a residual of the wrong size, or without a lossy format, is an option_error") {
+  const auto towers = one_tower_per_rank<float>(2, 1.0f);
+  std::vector<std::vector<float>> residual = {std::vector<float>(4502), std::vector<float>(4501)};
+  for (compression format : {compression::int8, compression::none}) {
+    const auto results = average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int r) {
+      thread_options o;
+      o.exchange.compression = format;
+      o.exchange.residual = residual[static_cast<std::size_t>(format == compression::none ? 0 : r)];
+      return o;
+    });
+    for (const auto& r : results) {
+      const std::string message = failure_of<gradavg::error>(r);
+      if (format == compression::none) CHECK(contains(message, "options.exchange.compression is none"));
+      else CHECK((contains(message, "options.exchange.residual holds 4501 floats") || contains(message, "rank 1 failed")));
+      CHECK(r.means[0][0] == sentinel<float>);
+    }
   }
 }

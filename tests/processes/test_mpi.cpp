@@ -927,7 +927,7 @@ TEST_CASE("an exception from one rank's executor while averaging: its own there,
   const int failing = world_size() - 1;
   const exchange how = GENERATE(exchange::point_to_point, exchange::collectives);
   // And with a compressed exchange: the failing rank's zeros are encoded like any contribution.
-  const auto format = GENERATE(gradavg::compression::none, gradavg::compression::float16);
+  const auto format = GENERATE(gradavg::compression::none, gradavg::compression::float16, gradavg::compression::int8);
   INFO("collectives " << (how == exchange::collectives) << ", compression " << static_cast<int>(format));
   failing_executor down;
   gradavg::mpi::workspace work;

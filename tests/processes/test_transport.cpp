@@ -43,8 +43,6 @@ std::vector<rank_result<S>> means_on_ranks(const std::vector<towers_of<S>>& towe
   });
 }
 
-const std::vector<std::size_t> sizes = {1, 7, 300, 4097, 33, 64};
-
 /// Rank r holds towers_on(r) towers of random values (seeded by rank and tower).
 template <class S>
 std::vector<towers_of<S>> random_ranks(int ranks, const std::function<std::size_t(int)>& towers_on) {
@@ -59,13 +57,6 @@ std::vector<towers_of<S>> random_ranks(int ranks, const std::function<std::size_
       }
     }
   return all;
-}
-
-template <class S>
-std::vector<vector_of<S>> sentinel_outputs() {
-  std::vector<vector_of<S>> out;
-  for (std::size_t n : sizes) out.push_back(vector_of<S>::Constant(static_cast<Eigen::Index>(n), sentinel<S>));
-  return out;
 }
 
 template <class S>
@@ -116,14 +107,6 @@ void check_one_process_bits(int ranks, std::size_t towers_on_rank0) {
       CHECK(bits_of(r.report.sum_mean_of_squares) == bits_of(one.sum_mean_of_squares));
     }
   }
-}
-
-/// The message of rank r's exception of type E (fails the test on another outcome).
-template <class E, class S>
-std::string failure_of(const rank_result<S>& r) {
-  return message_of<E>([&] {
-    if (r.failure) std::rethrow_exception(r.failure);
-  });
 }
 
 }  // namespace

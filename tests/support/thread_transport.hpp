@@ -14,10 +14,13 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <span>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
+
+#include "support.hpp"
 
 namespace gradavg_test {
 
@@ -31,6 +34,8 @@ struct thread_options {
   struct {
     std::size_t fusion_bytes = 0;
     gradavg::compression compression = gradavg::compression::none;
+    std::span<float> residual = {};
+    std::uint64_t seed = 0;
   } exchange;
   [[nodiscard]] gradavg::options local() const noexcept { return {compute, run, check}; }
 };
@@ -157,6 +162,26 @@ std::vector<rank_result<S>> average_on_ranks(const std::vector<towers_of<S>>& to
   return run_ranks<S>(static_cast<int>(towers.size()), std::move(start), [&](int r, auto& wire, auto& work, auto& mine) {
     return processes::average_into(wire, work, towers[static_cast<std::size_t>(r)], mine.means, &mine.squares,
                                    options_of(r), nullptr, nullptr);
+  });
+}
+
+/// The variables of the threads' tests: their sizes (one element, a few, partial and whole SIMD
+/// steps, several blocks of 256).
+inline const std::vector<std::size_t> sizes = {1, 7, 300, 4097, 33, 64};
+
+/// Outputs of those sizes holding the sentinel (support.hpp).
+template <class S>
+std::vector<vector_of<S>> sentinel_outputs() {
+  std::vector<vector_of<S>> out;
+  for (std::size_t n : sizes) out.push_back(vector_of<S>::Constant(static_cast<Eigen::Index>(n), sentinel<S>));
+  return out;
+}
+
+/// The message of rank r's exception of type E (fails the test on another outcome).
+template <class E, class S>
+std::string failure_of(const rank_result<S>& r) {
+  return message_of<E>([&] {
+    if (r.failure) std::rethrow_exception(r.failure);
   });
 }
 

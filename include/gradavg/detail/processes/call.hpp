@@ -246,7 +246,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
         throw option_error(std::string(Transport::caller) + ": options.exchange.fusion_bytes is " +
                            std::to_string(fusion_bytes) +
                            "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
-      gradavg::shared_detail::require_named(opts.exchange.compression, compression::float16,
+      gradavg::shared_detail::require_named(opts.exchange.compression, compression::int8,
                                             "options.exchange.compression");
       wire.check_options();
       plan_here = plan_state_here(header);

@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "../isa.hpp"
@@ -29,9 +30,11 @@ namespace detail::processes {
 inline constexpr std::size_t block_values = 256;
 
 /// A bucket's parts as the exchange sees them: lengths in buffer elements, in buffer order (sums,
-/// squares' sums, flags; 0 for a part the call has not).
+/// squares' sums, flags; 0 for a part the call has not), and the flat index of its first element
+/// (where the sums' error feedback and the blocks' rounding seeds are).
 struct bucket_parts {
   std::size_t length[3] = {};
+  std::size_t first = 0;
 
   [[nodiscard]] std::size_t len() const noexcept { return length[0] + length[1] + length[2]; }
   /// Blocks of the encoded bucket: each part rounded up to whole blocks.
@@ -40,19 +43,21 @@ struct bucket_parts {
     for (std::size_t n : length) b += (n + block_values - 1) / block_values;
     return b;
   }
-  /// Block b's first buffer element and its count of values (the rest of the block is padding).
+  /// Block b's first buffer element, its count of values (the rest of the block is padding), its
+  /// part and its first element's place in the part.
   struct block_place {
-    std::size_t at, count;
+    std::size_t at, count, part, in_part;
   };
   [[nodiscard]] block_place place(std::size_t b) const noexcept {
     std::size_t at = 0;
-    for (std::size_t n : length) {
+    for (std::size_t p = 0; p < 3; ++p) {
+      const std::size_t n = length[p];
       const std::size_t part_blocks = (n + block_values - 1) / block_values;
-      if (b < part_blocks) return {at + b * block_values, std::min(block_values, n - b * block_values)};
+      if (b < part_blocks) return {at + b * block_values, std::min(block_values, n - b * block_values), p, b * block_values};
       b -= part_blocks;
       at += n;
     }
-    return {at, 0};
+    return {at, 0, 3, 0};
   }
   /// Blocks of any bucket of at most max_len elements (each part may add one partial block).
   [[nodiscard]] static std::size_t max_blocks(std::size_t max_len) noexcept {
@@ -131,6 +136,42 @@ inline float largest_finite(const float* x) noexcept {
   return std::bit_cast<float>(m);
 }
 
+/// A uniform value in [0, 1) (24 bits) from a key and an index: a 32-bit mixing hash (no state, so
+/// the same key and index give the same value on every rank, thread and run).
+inline float uniform_of(std::uint32_t key, std::uint32_t j) noexcept {
+  std::uint32_t x = key ^ (j * 0x9e3779b9u);
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return static_cast<float>(static_cast<std::int32_t>(x >> 8)) * 0x1p-24f;
+}
+
+/// The rounding seed of one block: from the call's seed, the rank, the stage (0: a rank's
+/// contribution, 1: an owner's sum), the block's part and its first element's flat index.
+inline std::uint32_t block_key(std::uint64_t seed, int rank, int stage, const bucket_parts& parts,
+                               const bucket_parts::block_place& place) noexcept {
+  std::uint64_t z = seed + 0x9e3779b97f4a7c15ull * (1 + ((static_cast<std::uint64_t>(rank) << 3) |
+                                                         (static_cast<std::uint64_t>(stage) << 2) | place.part));
+  z ^= (parts.first + place.in_part) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return static_cast<std::uint32_t>((z ^ (z >> 31)) >> 32);
+}
+
+/// int8 of t, its magnitude clamped to 127 and rounded stochastically: up with probability of its
+/// fraction (u uniform in [0, 1)), so that the rounding is unbiased. t finite.
+inline std::int8_t stochastic_int8(float t, float u) noexcept {
+  const float a = std::fabs(t);
+  const auto whole = static_cast<std::int32_t>(a);  // truncation: the floor of a >= 0
+  const float fraction = a - static_cast<float>(whole);  // exact
+  std::int32_t magnitude = whole - static_cast<std::int32_t>(mask_of(fraction > u));
+  magnitude += static_cast<std::int32_t>(mask_of(magnitude > 127));  // 128 (t a rounding above 127): 127
+  const auto negative = static_cast<std::int32_t>(mask_of(t < 0.0f));
+  return static_cast<std::int8_t>((magnitude ^ negative) - negative);
+}
+
 /// A wire format: how a bucket's blocks are encoded and decoded. Buf: the fusion buffer's element
 /// type (float or double; double is rounded to float before it is encoded).
 template <class Buf>
@@ -140,11 +181,16 @@ struct codec {
   [[nodiscard]] bool encodes() const noexcept { return format != compression::none; }
   /// Bytes of one encoded block.
   [[nodiscard]] std::size_t block_bytes() const noexcept {
-    return block_values * 2 + (format == compression::float16 ? sizeof(std::int32_t) : 0);
+    switch (format) {
+      case compression::float16: return sizeof(std::int32_t) + block_values * 2;
+      case compression::int8: return sizeof(float) + block_values;
+      default: return block_values * 2;
+    }
   }
 
-  /// Encodes block `place` of buffer into `to` (block_bytes()), the padding as zeros.
-  void encode(const Buf* buffer, bucket_parts::block_place place, std::byte* to) const noexcept {
+  /// Encodes block `place` of buffer into `to` (block_bytes()), the padding as zeros. key: the
+  /// block's own seed for int8's stochastic rounding (unused by the other formats).
+  void encode(const Buf* buffer, bucket_parts::block_place place, std::byte* to, std::uint32_t key) const noexcept {
     float padded[block_values];
     const float* x = padded;
     if constexpr (std::is_same_v<Buf, float>) {
@@ -153,6 +199,25 @@ struct codec {
     if (x == padded) {
       for (std::size_t j = 0; j < place.count; ++j) padded[j] = static_cast<float>(buffer[place.at + j]);
       for (std::size_t j = place.count; j < block_values; ++j) padded[j] = 0.0f;
+    }
+    if (format == compression::int8) {
+      // The scale: the largest magnitude over 127; NaN where a value is not finite (the block
+      // decodes as NaN: a non-finite sum is never hidden).
+      std::uint32_t nonfinite = 0;
+      for (std::size_t j = 0; j < block_values; ++j)
+        nonfinite |= mask_of((std::bit_cast<std::uint32_t>(x[j]) & 0x7fffffffu) >= 0x7f800000u);
+      const float m = largest_finite(x);
+      std::int8_t q[block_values] = {};
+      float scale = std::numeric_limits<float>::quiet_NaN();
+      if (nonfinite == 0) {
+        scale = m / 127.0f;
+        const float inverse = m > 0.0f ? 127.0f / m : 0.0f;
+        for (std::size_t j = 0; j < block_values; ++j)
+          q[j] = stochastic_int8(x[j] * inverse, uniform_of(key, static_cast<std::uint32_t>(j)));
+      }
+      std::memcpy(to, &scale, sizeof scale);
+      std::memcpy(to + sizeof scale, q, sizeof q);
+      return;
     }
     std::uint16_t h[block_values];
     if (format == compression::bfloat16) {
@@ -169,6 +234,14 @@ struct codec {
 
   /// The block_values values of the encoded block at `from`, as floats.
   void decode(const std::byte* from, float* x) const noexcept {
+    if (format == compression::int8) {
+      float scale = 0;
+      std::int8_t q[block_values];
+      std::memcpy(&scale, from, sizeof scale);
+      std::memcpy(q, from + sizeof scale, sizeof q);
+      for (std::size_t j = 0; j < block_values; ++j) x[j] = static_cast<float>(q[j]) * scale;
+      return;
+    }
     std::uint16_t h[block_values];
     if (format == compression::bfloat16) {
       std::memcpy(h, from, sizeof h);

@@ -101,6 +101,7 @@ struct data_path {
       total += size;
       work.nonfinite[i] = 0;
     }
+    if (layout != nullptr) check_residual();
     range_begin = std::min(opts.compute.range.begin, total);
     range_end = std::min(opts.compute.range.end, total);
     buckets = 0;
@@ -126,6 +127,20 @@ struct data_path {
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     wire.reserve(sets);
     for (std::size_t s = 0; s < sets; ++s) set[s] = {base + s * set_elements, base + s * set_elements + max_len, s};
+  }
+
+  /// options.exchange.residual: empty, or one float per element of the flat range with a lossy
+  /// compression (option_error).
+  void check_residual() const {
+    const std::size_t n = opts.exchange.residual.size();
+    if (n == 0) return;
+    if (opts.exchange.compression == compression::none)
+      throw option_error(std::string(Transport::caller) +
+                         ": options.exchange.residual (error feedback) is passed but options.exchange.compression "
+                         "is none; it keeps what a lossy format drops");
+    if (n != total)
+      throw option_error(std::string(Transport::caller) + ": options.exchange.residual holds " + std::to_string(n) +
+                         " floats; it must hold one per element of the averaged variables, " + std::to_string(total));
   }
 
   // ---- The data path, after agreement: tables and buffers only, no tensor_traits call and no
@@ -154,7 +169,10 @@ struct data_path {
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
   /// How a bucket's contributions move and are summed (exchange.hpp).
-  exchange_type exchange() const noexcept { return {wire, {opts.exchange.compression}}; }
+  exchange_type exchange() const noexcept {
+    float* residual = opts.exchange.residual.empty() ? nullptr : opts.exchange.residual.data();
+    return {wire, {opts.exchange.compression}, {residual, opts.exchange.seed}};
+  }
   /// Variable i's element count and first flat element (prepare()'s table).
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
   std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
@@ -171,7 +189,7 @@ struct data_path {
     sh.flags = detect() ? flags : 0;
     const std::size_t elements = sh.end - sh.begin;
     sh.len = elements * (squares_in_buffer() ? 2 : 1) + sh.flags;
-    sh.parts = {{elements, squares_in_buffer() ? elements : 0, sh.flags}};
+    sh.parts = {{elements, squares_in_buffer() ? elements : 0, sh.flags}, sh.begin};
     return sh;
   }
 

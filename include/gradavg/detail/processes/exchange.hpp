@@ -50,7 +50,7 @@ concept transport = requires(T& t, const T& c, std::uint64_t* words, const std::
   /// "gradavg::mpi": the start of every error message the call throws.
   { T::caller } -> std::convertible_to<const char*>;
   /// The call's options: gradavg::options' groups (compute, run, check, and local() for them) and
-  /// exchange.fusion_bytes and exchange.compression (mpi::options is a model).
+  /// exchange.fusion_bytes, compression, residual and seed (mpi::options is a model).
   typename T::options_type;
   { c.rank() } -> std::same_as<int>;
   { c.ranks() } -> std::same_as<int>;
@@ -98,10 +98,18 @@ struct bucket_buffers {
 /// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back; in
 /// the codec's format (codec.hpp) when it encodes: the owners then own whole blocks, sum the
 /// decoded contributions and encode the sum, which every rank, the owner too, decodes.
+/// What a lossy exchange keeps and draws from (options.exchange): the error feedback's residual
+/// (indexed by flat element; null: none) and the stochastic rounding's seed.
+struct wire_state {
+  float* residual = nullptr;
+  std::uint64_t seed = 0;
+};
+
 template <transport Transport, class Buf>
 struct owner_sum {
   Transport& wire;
   codec<Buf> format;
+  wire_state state;
 
   [[nodiscard]] slice_layout layout(const bucket_parts& parts) const noexcept {
     if (format.encodes()) return {parts.blocks(), format.block_bytes(), wire.ranks()};
@@ -121,7 +129,7 @@ struct owner_sum {
     const slice_layout l = layout(parts);
     if (format.encodes()) {
       std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
-      for (std::size_t k = 0; k < l.len; ++k) format.encode(b.local, parts.place(k), encoded + k * l.element);
+      for (std::size_t k = 0; k < l.len; ++k) encode_contribution(parts, k, b.local, encoded + k * l.element);
       wire.scatter(b.set, encoded, encoded + l.at(wire.ranks()), l);
       return;
     }
@@ -134,7 +142,7 @@ struct owner_sum {
     wire.wait(b.set);
     const slice_layout l = layout(parts);
     if (format.encodes()) {
-      reduce_blocks(l, b);
+      reduce_blocks(parts, l, b);
       return;
     }
     const int rank = wire.rank(), ranks = wire.ranks();
@@ -170,10 +178,32 @@ struct owner_sum {
   void progress(bucket_buffers<Buf>& b) { wire.test(b.set); }
 
  private:
+  /// The residual of the sums in block `place` (null: no error feedback, or not a sums block).
+  float* residual_of(const bucket_parts& parts, const bucket_parts::block_place& place) const noexcept {
+    return state.residual != nullptr && place.part == 0 ? state.residual + parts.first + place.in_part : nullptr;
+  }
+
+  /// Block k of this rank's contribution encoded into `to`; with error feedback, the residual added
+  /// into the sums first, and what the encoding dropped kept as the new residual.
+  void encode_contribution(const bucket_parts& parts, std::size_t k, Buf* local, std::byte* to) const {
+    const bucket_parts::block_place place = parts.place(k);
+    float* residual = residual_of(parts, place);
+    if (residual != nullptr)
+      for (std::size_t j = 0; j < place.count; ++j) local[place.at + j] += static_cast<Buf>(residual[j]);
+    format.encode(local, place, to, block_key(state.seed, wire.rank(), 0, parts, place));
+    if (residual != nullptr) {
+      float sent[block_values];
+      format.decode(to, sent);
+      for (std::size_t j = 0; j < place.count; ++j) residual[j] = static_cast<float>(local[place.at + j]) - sent[j];
+    }
+  }
+
   /// The encoded exchange's sums: each block of this rank's slice of `encoded` (the bucket's
   /// encoding; the others' blocks of the slice behind it) decoded from every rank's encoding,
-  /// this rank's own included, summed in rank order in Buf and encoded in place.
-  void reduce_blocks(const slice_layout& l, bucket_buffers<Buf>& b) {
+  /// this rank's own included, summed in rank order in Buf and encoded in place. With error
+  /// feedback, what the sum's encoding dropped is added to this rank's residual: the owner sends
+  /// it in its next contribution, so it reaches the next step's sum.
+  void reduce_blocks(const bucket_parts& parts, const slice_layout& l, bucket_buffers<Buf>& b) {
     std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
     const int rank = wire.rank(), ranks = wire.ranks();
     const std::byte* received = encoded + l.at(ranks);
@@ -191,7 +221,13 @@ struct owner_sum {
         format.decode(block_of(r), x);
         for (std::size_t j = 0; j < block_values; ++j) sum[j] += static_cast<Buf>(x[j]);
       }
-      format.encode(sum, {0, block_values}, encoded + k * l.element);
+      const bucket_parts::block_place place = parts.place(k);
+      std::byte* to = encoded + k * l.element;
+      format.encode(sum, {0, block_values, place.part, place.in_part}, to, block_key(state.seed, rank, 1, parts, place));
+      if (float* residual = residual_of(parts, place)) {
+        format.decode(to, x);
+        for (std::size_t j = 0; j < place.count; ++j) residual[j] += static_cast<float>(sum[j]) - x[j];
+      }
     }
     wire.gather(b.set, encoded, l);
   }
