@@ -92,7 +92,8 @@ inline shared_detail::buffers& shared_detail::access::of(workspace& w) noexcept 
 /// How the buckets move between the ranks. Every rank passes the same fusion_bytes and method.
 struct exchange_options {
   /// Bytes of one bucket's fusion buffer: at least two elements, at most 1 GiB; 0 (the default):
-  /// automatic_fusion_bytes(the communicator's size).
+  /// automatic_fusion_bytes(the communicator's size), and with compression that size of encoded
+  /// bytes (a buffer larger by the format's ratio: 2 for the 16-bit formats, 3.9 for int8).
   std::size_t fusion_bytes = 0;
   /// How a bucket's slices move between ranks.
   exchange_method method = exchange_method::collectives;

@@ -303,6 +303,18 @@ TEST_CASE("int8 codec: each value within one step of its block's largest, the ro
   // Unbiased: over 4096 roundings the mean is the value within 1/32 of a step (the rounding's
   // standard deviation is at most half a step: 1/128 of one over 4096 draws; 4 of those).
   for (int j = 0; j < 256; ++j) CHECK(std::fabs(mean[static_cast<std::size_t>(j)] - x[j]) <= step / 32);
+  // A block of subnormal values (127 / m would overflow): each within a step, zeros stay zeros.
+  float tiny[256];
+  for (int j = 0; j < 256; ++j) tiny[j] = j % 3 == 0 ? 0.0f : std::numeric_limits<float>::denorm_min() * static_cast<float>(j);
+  c.encode(tiny, {0, 256, 0, 0}, block.data(), 3);
+  {
+    float y[256];
+    c.decode(block.data(), y);
+    for (int j = 0; j < 256; ++j) {
+      CHECK(std::fabs(y[j] - tiny[j]) <= tiny[255] / 127 * 1.01f + 2 * std::numeric_limits<float>::denorm_min());
+      if (tiny[j] == 0.0f) CHECK(y[j] == 0.0f);
+    }
+  }
   // A block holding an infinity decodes as NaN.
   x[7] = std::numeric_limits<float>::infinity();
   c.encode(x, {0, 256, 0, 0}, block.data(), 1);

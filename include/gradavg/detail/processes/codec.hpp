@@ -211,9 +211,11 @@ struct codec {
       float scale = std::numeric_limits<float>::quiet_NaN();
       if (nonfinite == 0) {
         scale = m / 127.0f;
-        const float inverse = m > 0.0f ? 127.0f / m : 0.0f;
+        // Blocks below 2^-100 brought up by 2^100 first (exact), so that 127 / m stays finite.
+        const float pre = m < 0x1p-100f ? 0x1p100f : 1.0f;
+        const float inverse = m > 0.0f ? 127.0f / (m * pre) : 0.0f;
         for (std::size_t j = 0; j < block_values; ++j)
-          q[j] = stochastic_int8(x[j] * inverse, uniform_of(key, static_cast<std::uint32_t>(j)));
+          q[j] = stochastic_int8((x[j] * pre) * inverse, uniform_of(key, static_cast<std::uint32_t>(j)));
       }
       std::memcpy(to, &scale, sizeof scale);
       std::memcpy(to + sizeof scale, q, sizeof q);

@@ -114,7 +114,7 @@ struct data_path {
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
     const std::size_t asked = opts.exchange.fusion_bytes;
-    const std::size_t fusion_bytes = asked != 0 ? asked : wire.automatic_fusion_bytes();
+    const std::size_t fusion_bytes = asked != 0 ? asked : automatic_fusion_bytes();
     bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
     const std::size_t n = range_end - range_begin;
     buckets = (n + bucket_elements - 1) / bucket_elements;
@@ -127,6 +127,18 @@ struct data_path {
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     wire.reserve(sets);
     for (std::size_t s = 0; s < sets; ++s) set[s] = {base + s * set_elements, base + s * set_elements + max_len, s};
+  }
+
+  /// Fusion bytes when options.exchange.fusion_bytes is 0: the transport's automatic size, which
+  /// it chose for its messages; with compression, grown by the format's ratio, so that the
+  /// encoded bucket, what the messages carry, keeps that size (int8's buckets hold 3.9 times the
+  /// values: without it, its messages would be a quarter of the size the transport chose).
+  std::size_t automatic_fusion_bytes() const noexcept {
+    const std::size_t base = wire.automatic_fusion_bytes();
+    const codec<Buf> format{opts.exchange.compression};
+    if (!format.encodes()) return base;
+    return static_cast<std::size_t>(static_cast<double>(base) * static_cast<double>(sizeof(Buf) * block_values) /
+                                    static_cast<double>(format.block_bytes()));
   }
 
   /// options.exchange.residual: empty, or one float per element of the flat range with a lossy
