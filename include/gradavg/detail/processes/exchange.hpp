@@ -91,13 +91,6 @@ struct bucket_buffers {
   std::size_t set = 0;
 };
 
-/// The exchange strategy of a call: start (the contributions leave), reduce_and_gather (the
-/// contributions to this rank's part summed, the sums sent), finish (every sum here, in the
-/// bucket's buffer), progress; room(max_len) is the Buf elements it needs beside a bucket of
-/// max_len elements (bucket_buffers::recv).
-/// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back; in
-/// the codec's format (codec.hpp) when it encodes: the owners then own whole blocks, sum the
-/// decoded contributions and encode the sum, which every rank, the owner too, decodes.
 /// What a lossy exchange keeps and draws from (options.exchange): the error feedback's residual
 /// (indexed by flat element; null: none) and the stochastic rounding's seed.
 struct wire_state {
@@ -105,6 +98,13 @@ struct wire_state {
   std::uint64_t seed = 0;
 };
 
+/// The exchange strategy of a call: start (the contributions leave), reduce_and_gather (the
+/// contributions to this rank's part summed, the sums sent), finish (every sum here, in the
+/// bucket's buffer), progress; room(max_len) is the Buf elements it needs beside a bucket of
+/// max_len elements (bucket_buffers::recv).
+/// owner_sum: contributions to a slice's owner, summed in rank order, the sums gathered back; in
+/// the codec's format (codec.hpp) when it encodes: the owners then own whole blocks, sum the
+/// decoded contributions and encode the sum, which every rank, the owner too, decodes.
 template <transport Transport, class Buf>
 struct owner_sum {
   Transport& wire;
