@@ -5,9 +5,9 @@
 // block's scale would flush the flags of a block of large sums).
 //
 // The encoders are loops over whole blocks of a fixed count that the compiler vectorises; they
-// use integer operations, multiplications by powers of two and one exact float addition or
-// subtraction only, so every instruction-set level gives the same bits (ranks on different CPUs
-// stay bitwise equal).
+// use integer operations and single IEEE float operations (no product feeds a sum, so no fused
+// multiply-add can form), so every instruction-set level gives the same bits. Ranks stay bitwise
+// equal in any case: every rank decodes the owners' encoded sums.
 #pragma once
 
 #include <algorithm>
