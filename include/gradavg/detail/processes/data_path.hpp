@@ -163,9 +163,7 @@ struct data_path {
   struct bucket_shape {
     std::size_t begin, end;       // flat
     std::size_t first_variable;   // the first variable with an element in it
-    std::size_t flags;            // variables with an element in it (detect)
-    std::size_t len;              // Buf elements in the buffer
-    bucket_parts parts;           // its sums, squares' sums and flags, for the exchange
+    bucket_parts parts;           // its buffer: sums, squares' sums, a flag per variable in it (detect)
   };
   static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
 
@@ -198,10 +196,8 @@ struct data_path {
     sh.first_variable = walk_variable;
     std::size_t v = walk_variable, flags = 0;
     for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
-    sh.flags = detect() ? flags : 0;
     const std::size_t elements = sh.end - sh.begin;
-    sh.len = elements * (squares_in_buffer() ? 2 : 1) + sh.flags;
-    sh.parts = {{elements, squares_in_buffer() ? elements : 0, sh.flags}, sh.begin};
+    sh.parts = {{elements, squares_in_buffer() ? elements : 0, detect() ? flags : 0}, sh.begin};
     return sh;
   }
 
@@ -251,7 +247,7 @@ struct data_path {
   /// options.run.threads / pool: the bucket split into chunks (the sums do not depend on the split).
   void fill(const bucket_shape& sh, Buf* buffer) {
     const std::size_t elements = sh.end - sh.begin;
-    std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.len, Buf(0));  // the flags
+    std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.parts.len(), Buf(0));  // the flags
     const std::size_t chunks =
         gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), local);
     if (chunks <= 1) {
@@ -378,7 +374,7 @@ struct data_path {
             failure = std::current_exception();
           }
         }
-        if (failure) std::fill(bs.local, bs.local + shapes[b % 3].len, Buf(0));
+        if (failure) std::fill(bs.local, bs.local + shapes[b % 3].parts.len(), Buf(0));
         exchange().start(shapes[b % 3].parts, bs);
       }
       if (b >= 1 && b - 1 < buckets) exchange().reduce_and_gather(shapes[(b - 1) % 3].parts, set[(b - 1) % 3]);
