@@ -457,11 +457,13 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
     // The link's time for the bytes a rank sends (each direction): 2(n-1)/n of the encoded
-    // values (blocks of 256 values: 512 bytes in bf16, 516 in fp16, 260 in int8), at the link
-    // check's rate.
+    // values (the format's bytes per block of values), at the link check's rate.
+    namespace processes = gradavg::detail::processes;
     for (std::size_t j = uncompressed_end; j < methods.size(); ++j) {
-      const double block_bytes = j == uncompressed_end ? 512.0 : j == uncompressed_end + 1 ? 516.0 : 260.0;
-      const double sent = 2.0 * (ranks - 1) / ranks * static_cast<double>(all_floats) * block_bytes / 256.0;
+      const processes::codec<float> format{static_cast<gradavg::compression>(methods[j].format)};
+      const double bytes_per_value =
+          static_cast<double>(format.block_bytes()) / static_cast<double>(processes::block_values);
+      const double sent = 2.0 * (ranks - 1) / ranks * static_cast<double>(all_floats) * bytes_per_value;
       const double link_ms = sent * 8 / (gbit * 1e9) * 1e3;
       std::printf("    %s: %.2fx allreduce, %.2fx %s; the link's time for its bytes %.3g ms: %.2fx of it\n",
                   methods[j].name.c_str(), med[j] / allreduce, med[j] / med[best], methods[best].name.c_str(), link_ms,
