@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "compression_reference.hpp"
 #include "support.hpp"
 #include "thread_transport.hpp"
 
@@ -26,32 +27,6 @@ namespace {
 
 using namespace gradavg_test;
 using gradavg::compression;
-
-float bfloat16_round(float x) { return static_cast<float>(Eigen::bfloat16(x)); }
-
-/// The documented float16 block: the largest finite magnitude m brought into [2^14, 2^15) by a
-/// power of two 2^k (k at most 127), each value scaled, rounded to half, scaled back.
-void float16_round_block(float* v, std::size_t n) {
-  float m = 0.0f;
-  for (std::size_t j = 0; j < n; ++j)
-    if (std::isfinite(v[j])) m = std::max(m, std::fabs(v[j]));
-  const int k = m > 0.0f ? std::min(14 - std::ilogb(m), 127) : 0;
-  for (std::size_t j = 0; j < n; ++j)
-    v[j] = std::ldexp(static_cast<float>(Eigen::half(std::ldexp(v[j], k))), -k);
-}
-
-/// A part of a bucket (its sums, or its squares' sums) as the format rounds it: blocks of 256
-/// from the part's start.
-template <class Buf>
-std::vector<Buf> round_part(const std::vector<Buf>& part, compression format) {
-  std::vector<float> v(part.begin(), part.end());
-  if (format == compression::bfloat16) {
-    for (float& x : v) x = bfloat16_round(x);
-  } else {
-    for (std::size_t b = 0; b < v.size(); b += 256) float16_round_block(v.data() + b, std::min<std::size_t>(256, v.size() - b));
-  }
-  return {v.begin(), v.end()};
-}
 
 /// The means and means of squares of one tower per rank (towers[r]: rank r's flat values), as a
 /// compressed call computes them with buckets of bucket_elements elements.
@@ -102,6 +77,18 @@ std::vector<S> flat(const std::vector<vector_of<S>>& variables) {
   std::vector<S> out;
   for (const auto& v : variables) out.insert(out.end(), v.data(), v.data() + v.size());
   return out;
+}
+
+/// Each rank's values (its one tower's variables) in flat order.
+template <class S>
+std::vector<std::vector<S>> flat_values(const std::vector<towers_of<S>>& towers) {
+  std::vector<std::vector<S>> values;
+  for (const auto& rank : towers) {
+    std::vector<vector_of<S>> v;
+    for (const auto& pair : rank[0]) v.push_back(pair.first);
+    values.push_back(flat(v));
+  }
+  return values;
 }
 
 template <class S>
@@ -159,12 +146,7 @@ TEMPLATE_TEST_CASE("compressed exchange: the documented format's bits on every r
       for (std::size_t bucket : {std::size_t{0}, std::size_t{375}, std::size_t{40}}) {
         INFO("format " << static_cast<int>(format) << ", ranks " << ranks << ", bucket elements " << bucket);
         const auto towers = one_tower_per_rank<S>(ranks, S(1));
-        std::vector<std::vector<S>> values;
-        for (const auto& rank : towers) {
-          std::vector<vector_of<S>> v;
-          for (const auto& pair : rank[0]) v.push_back(pair.first);
-          values.push_back(flat(v));
-        }
+        const auto values = flat_values(towers);
         const std::size_t total = values[0].size();
         const auto [want_means, want_squares] = compressed_reference<S>(values, bucket == 0 ? total : bucket, format);
         const auto results = average_on_ranks<S>(towers, sentinel_outputs<S>(), [&](int) {
@@ -208,9 +190,9 @@ TEST_CASE("compressed exchange: float16's block scale keeps gradients far below 
   });
   for (const auto& r : results) REQUIRE_FALSE(r.failure);
   const auto got = flat(results[0].means);
-  std::vector<float> a, b;
-  for (const auto& pair : towers[0][0]) a.insert(a.end(), pair.first.data(), pair.first.data() + pair.first.size());
-  for (const auto& pair : towers[1][0]) b.insert(b.end(), pair.first.data(), pair.first.data() + pair.first.size());
+  const auto values = flat_values(towers);
+  const auto& a = values[0];
+  const auto& b = values[1];
   double largest = 0;
   std::size_t nonzero = 0;
   for (std::size_t j = 0; j < got.size(); ++j) largest = std::max({largest, std::fabs(double(a[j])), std::fabs(double(b[j]))});
@@ -347,14 +329,11 @@ TEST_CASE("int8 exchange: ranks bitwise equal, the same seed the same bits, ever
     CHECK_FALSE(same_bits_as(flat(other[0].means), flat(first[0].means)));
     // Each rank's contribution within one step (1/127) of its block's largest value, the sum's
     // encoding within one step of the sum's: bounded by the largest magnitudes over everything.
-    std::vector<std::vector<float>> values;
+    const auto values = flat_values(towers);
     double bound = 0;
-    for (const auto& rank : towers) {
-      std::vector<vector_of<float>> v;
-      for (const auto& pair : rank[0]) v.push_back(pair.first);
-      values.push_back(flat(v));
+    for (const auto& v : values) {
       double largest = 0;
-      for (float x : values.back()) largest = std::max(largest, std::fabs(double(x)));
+      for (float x : v) largest = std::max(largest, std::fabs(double(x)));
       bound += 2 * largest / 127;
     }
     const auto got = flat(first[0].means);
@@ -372,12 +351,7 @@ TEST_CASE("error feedback: the means of many steps converge to the exact mean, a
   // a few roundings in all); bfloat16 without it repeats the same rounding every step.
   const int ranks = 3, steps = 64;
   const auto towers = one_tower_per_rank<float>(ranks, 1.0f);
-  std::vector<std::vector<float>> values;
-  for (const auto& rank : towers) {
-    std::vector<vector_of<float>> v;
-    for (const auto& pair : rank[0]) v.push_back(pair.first);
-    values.push_back(flat(v));
-  }
+  const auto values = flat_values(towers);
   const std::size_t total = values[0].size();
   for (compression format : {compression::bfloat16, compression::float16, compression::int8}) {
     INFO("format " << static_cast<int>(format));

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "catch.hpp"
+#include "compression_reference.hpp"
 #include "counted_tensor.hpp"
 #include "mpi_support.hpp"
 #include "reference.hpp"
@@ -247,30 +248,16 @@ TEST_CASE("compressed exchange over MPI: the documented format's bits, the same 
   // float16 rounds blocks of 256 values of a bucket (one bucket here: automatic buckets) with a
   // power-of-two scale that brings the block's largest magnitude into [2^14, 2^15).
   const world<float> w({1, 7, 33, 1000, 5, 4097, 2}, {false, false, true, false, false, false, true}, layout(false), 23);
-  auto round_flat = [](std::vector<float> v, gradavg::compression format) {
-    for (std::size_t b = 0; b < v.size(); b += 256) {
-      const std::size_t n = std::min<std::size_t>(256, v.size() - b);
-      float m = 0.0f;
-      for (std::size_t j = 0; j < n; ++j) m = std::max(m, std::fabs(v[b + j]));
-      const int k = m > 0.0f ? std::min(14 - std::ilogb(m), 127) : 0;
-      for (std::size_t j = 0; j < n; ++j) {
-        float& x = v[b + j];
-        x = format == gradavg::compression::bfloat16 ? static_cast<float>(bfloat16(x))
-                                                     : std::ldexp(static_cast<float>(half(std::ldexp(x, k))), -k);
-      }
-    }
-    return v;
-  };
   for (auto format : {gradavg::compression::bfloat16, gradavg::compression::float16}) {
     std::vector<float> sum;
     for (std::size_t k = 0; k < w.total_towers(); ++k) {
       std::vector<float> x;
       for (std::size_t i = 0; i < w.sizes.size(); ++i)
         if (!w.absent[i]) x.insert(x.end(), w.data[k][i].begin(), w.data[k][i].end());
-      x = round_flat(x, format);
+      x = round_part(x, format);
       if (sum.empty()) sum = x; else for (std::size_t j = 0; j < x.size(); ++j) sum[j] += x[j];
     }
-    sum = round_flat(sum, format);
+    sum = round_part(sum, format);
     for (exchange how : {exchange::point_to_point, exchange::collectives}) {
       INFO("format " << static_cast<int>(format) << ", collectives " << (how == exchange::collectives));
       auto means = w.outputs();
