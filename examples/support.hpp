@@ -1,8 +1,9 @@
 // What the training examples share: deterministic random numbers for their synthetic data, the
-// command line's integers, and the comparison of two parameter sets.
+// command line's integers and wire formats, and the comparison of two parameter sets.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -14,6 +15,8 @@
 #include <vector>
 
 #include <Eigen/Core>
+
+#include <gradavg/options.hpp>
 
 // mt19937_64's output is fixed by the standard, the std distributions' are not: converting by
 // hand keeps the data the same with every standard library.
@@ -70,6 +73,35 @@ void shuffle_into(const Dataset& from, Dataset& to, random_source& rng) {
 }
 
 // text as an int in [low, high], or nothing.
+/// The exchange's wire formats (gradavg::compression) by their --compression names, each with the
+/// relative difference its two roundings may add to the first step's averaged gradient against
+/// the full batch's (relative to the largest element): bfloat16 rounds to 2^-9 of each value,
+/// float16 to 2^-12 of a block's largest, int8 to a step, 1/127 of a block's largest. none: 0 (each
+/// example states its own bound for float sums in another order).
+struct wire_format {
+  gradavg::compression format;
+  const char* name;
+  double rounding_tolerance;
+};
+inline constexpr std::array<wire_format, 4> wire_formats = {{{gradavg::compression::none, "none", 0.0},
+                                                             {gradavg::compression::bfloat16, "bf16", 0x1p-7},
+                                                             {gradavg::compression::float16, "fp16", 0x1p-9},
+                                                             {gradavg::compression::int8, "int8", 0x1p-5}}};
+
+/// The wire format named `name` (wire_formats), or nothing.
+inline std::optional<wire_format> wire_format_named(std::string_view name) {
+  for (const wire_format& f : wire_formats)
+    if (name == f.name) return f;
+  return std::nullopt;
+}
+
+/// The wire format of `format`.
+inline const wire_format& wire_format_of(gradavg::compression format) {
+  for (const wire_format& f : wire_formats)
+    if (f.format == format) return f;
+  return wire_formats[0];
+}
+
 inline std::optional<int> parse_int(std::string_view text, int low, int high) {
   int value = 0;
   const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);

@@ -21,7 +21,6 @@
 
 #include <mpi.h>
 
-#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -43,25 +42,10 @@ constexpr int shard_size = 64;  // samples per tower per step
 constexpr float learning_rate = 0.1f;
 constexpr float momentum = 0.9f;
 /// The first step's gradient against the full batch's, relative to its largest element: float
-/// sums in another order differ ~1e-7; bfloat16 rounds to 2^-9 of each value, twice; float16 to
-/// 2^-12 of each block's largest value, twice.
+/// sums in another order differ ~1e-7; a lossy format adds its roundings (support.hpp).
 float gradient_tolerance(gradavg::compression format) {
-  switch (format) {
-    case gradavg::compression::bfloat16: return 0x1p-7f;
-    case gradavg::compression::float16: return 0x1p-9f;
-    case gradavg::compression::int8: return 0x1p-5f;  // a step, 1/127 of a block's largest, twice
-    default: return 1e-4f;
-  }
+  return format == gradavg::compression::none ? 1e-4f : static_cast<float>(wire_format_of(format).rounding_tolerance);
 }
-
-struct format_name {
-  gradavg::compression format;
-  const char* name;
-};
-constexpr std::array<format_name, 4> formats = {{{gradavg::compression::none, "none"},
-                                                 {gradavg::compression::bfloat16, "bf16"},
-                                                 {gradavg::compression::float16, "fp16"},
-                                                 {gradavg::compression::int8, "int8"}}};
 
 struct config {
   int towers = 2;
@@ -82,13 +66,9 @@ std::optional<config> parse_args(int argc, char** argv, int ranks) {
     if (arg == "--compression" && i + 1 < argc) {
       const std::string_view name = argv[++i];
       c.every_format = name == "all";
-      bool known = c.every_format;
-      for (const format_name& f : formats)
-        if (name == f.name) {
-          c.format = f.format;
-          known = true;
-        }
-      if (!known) return std::nullopt;
+      const std::optional<wire_format> named = wire_format_named(name);
+      if (!c.every_format && !named) return std::nullopt;
+      if (named) c.format = named->format;
       continue;
     }
     const bool towers = arg == "--towers";
@@ -149,7 +129,7 @@ outcome train(const config& cfg, int rank, int ranks) {
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet && rank == 0) {
     std::printf("%d ranks x %d towers x %d samples per step, %d steps, compression %s\n", ranks, towers, shard_size,
-                cfg.steps, formats[static_cast<std::size_t>(cfg.format)].name);
+                cfg.steps, wire_format_of(cfg.format).name);
     std::printf("initial   train loss %.4f  accuracy %5.1f%%\n", initial.loss, 100 * initial.accuracy);
   }
   dataset epoch = train_set;
@@ -233,7 +213,7 @@ int run(config cfg, int rank, int ranks) {
   if (!cfg.every_format) return train(cfg, rank, ranks).status;
   int status = 0;
   float fp32_accuracy = 0;
-  for (const format_name& f : formats) {
+  for (const wire_format& f : wire_formats) {
     cfg.format = f.format;
     const outcome o = train(cfg, rank, ranks);
     if (f.format == gradavg::compression::none) fp32_accuracy = o.test_accuracy;

@@ -28,9 +28,7 @@
 #include <mpi.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <iterator>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -67,20 +65,11 @@ bool on_every_rank(bool ok) {
   return all == 1;
 }
 
-struct format_name {
-  gradavg::compression format;
-  const char* name;
-  double gradient_tolerance;  // the first step's, relative to the largest gradient element
-};
-const format_name formats[] = {{gradavg::compression::none, "none", 1e-5},
-                               {gradavg::compression::bfloat16, "bf16", 0x1p-7},
-                               {gradavg::compression::float16, "fp16", 0x1p-9},
-                               {gradavg::compression::int8, "int8", 0x1p-5}};
 
 /// One training from rank 0's start with one wire format: the held-out accuracy, or nothing
 /// after a failed check (reported).
 std::optional<double> train_with(const dataset& train_set, const dataset& test, int ranks, int rank, int replica_count,
-                                 int epochs, bool quiet, bool one_shot, const format_name& format) {
+                                 int epochs, bool quiet, bool one_shot, const wire_format& format) {
   const auto n_train = train_set.y.size(0);
   const auto k_count = static_cast<std::size_t>(replica_count);
   const std::int64_t per_replica = 16;  // samples per replica and step
@@ -104,7 +93,8 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
   for (auto& r : replicas)
     optimizers.push_back(std::make_unique<torch::optim::SGD>(r->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)));
 
-  const double gradient_tolerance = format.gradient_tolerance;
+  // The first step's, relative to the largest gradient element: a lossy format adds its roundings.
+  const double gradient_tolerance = format.format == gradavg::compression::none ? 1e-5 : format.rounding_tolerance;
   bool checked_first_step = false;
   for (int epoch = 0; epoch < epochs; ++epoch) {
     const auto shuffle = torch::randperm(n_train);
@@ -189,7 +179,7 @@ int run(int argc, char** argv, int rank, int ranks) {
   std::string data_path;
   int replica_count = 2, epochs = 30;
   bool quiet = false, one_shot = false;
-  std::vector<format_name> chosen = {formats[0]};
+  std::vector<wire_format> chosen = {wire_formats[0]};
   for (int a = 1; a < argc; ++a) {
     const std::string_view arg = argv[a];
     std::optional<int> value;
@@ -213,10 +203,9 @@ int run(int argc, char** argv, int rank, int ranks) {
     } else if (arg == "--epochs" && (value = parse_int(next, 1, 10000))) {
       epochs = *value;
     } else if (arg == "--compression" && next == "all") {
-      chosen.assign(std::begin(formats), std::end(formats));
-    } else if (arg == "--compression" && std::any_of(std::begin(formats), std::end(formats),
-                                                     [&](const format_name& f) { return next == f.name; })) {
-      chosen = {*std::find_if(std::begin(formats), std::end(formats), [&](const format_name& f) { return next == f.name; })};
+      chosen.assign(wire_formats.begin(), wire_formats.end());
+    } else if (arg == "--compression" && wire_format_named(next)) {
+      chosen = {*wire_format_named(next)};
     } else {
       if (rank == 0) std::fprintf(stderr, "bad argument %s %s\n", argv[a - 1], argv[a]);
       return 2;
@@ -233,7 +222,7 @@ int run(int argc, char** argv, int rank, int ranks) {
 
   int status = 0;
   double fp32_accuracy = -1;
-  for (const format_name& format : chosen) {
+  for (const wire_format& format : chosen) {
     const std::optional<double> test_accuracy =
         train_with(train, test, ranks, rank, replica_count, epochs, quiet, one_shot, format);
     if (!test_accuracy) return 1;
