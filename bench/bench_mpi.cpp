@@ -22,6 +22,11 @@
 //                  options.exchange.compression bfloat16, float16 and int8 (with error feedback: a
 //                  residual kept across calls, a new seed each call), each with a plan of its own;
 //                  only with --compression 1
+//   gradavg/auto/sharded/plan  options.exchange.output = sharded (each rank receives its shard's
+//                  means: a reduce-scatter), with a plan; gather_shards, gather_shards/bf16: the
+//                  gather of every rank's shard of the means afterwards (raw, and in bfloat16);
+//                  gradavg/auto/sharded+gather: the two back to back, whose result is the
+//                  replicated means (hashed against gradavg/auto's); only with --sharded 1
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round; each round starts one method later.
 // Every gradavg result (every fusion size, every round) is hashed and compared across ranks and
@@ -31,7 +36,8 @@
 //
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
-//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--compression 0|1] [--gap-ms N]
+//       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--compression 0|1] [--sharded 0|1]
+//       [--gap-ms N]
 // --gap-ms N: every rank sleeps N ms before each timed call, so that each starts on an idle link
 // (a shaped link's token bucket full, as after a training step's compute); default 0: back to
 // back, where a method that starts sending sooner finds the bucket emptier.
@@ -74,6 +80,7 @@ struct config {
   bool point_to_point = false;
   bool plan = true;
   bool compression = false;
+  bool sharded = false;
   int gap_ms = 0;
 };
 
@@ -176,6 +183,11 @@ struct method {
   std::string name;
   std::function<void()> f;
   int format = -1;  // a gradavg result in this gradavg::compression: hashed after every call (-1: none)
+  // The link-time line: the wire format of what it sends (-1: no line), and how many values each
+  // rank sends per value of the means (and squares): 2 (P - 1) / P for an allreduce's exchange,
+  // (P - 1) / P for a reduce-scatter or a gather of the means alone.
+  int wire = -1;
+  double sent_per_value = 0;
 };
 
 /// Runs one cell; false when a gradavg result differed between ranks or from run to run.
@@ -405,13 +417,49 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                            gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
                          else gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, opts);
                        },
-                       static_cast<int>(format)});
+                       static_cast<int>(format), static_cast<int>(format), 2.0 * (ranks - 1) / ranks});
+  }
+  // Sharded output and the gather of shards (the means as the parameters: the same element count).
+  gradavg::mpi::workspace sharded_work, gather_work;
+  gradavg::plan sharded_plan;
+  auto sharded_call = [&] {
+    gradavg::mpi::options opts;
+    opts.exchange.work = &sharded_work;
+    opts.exchange.output = gradavg::output_mode::sharded;
+    opts.run.threads = cfg.threads;
+    if (with_squares)
+      gradavg::mpi::average_gradients_into(sharded_plan, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
+    else gradavg::mpi::average_gradients_into(sharded_plan, MPI_COMM_WORLD, p.entries, p.means, opts);
+  };
+  auto gather_call = [&](gradavg::compression format) {
+    gradavg::mpi::options opts;
+    opts.exchange.work = &gather_work;
+    opts.exchange.compression = format;
+    gradavg::mpi::gather_shards(MPI_COMM_WORLD, p.means, opts);
+  };
+  if (cfg.sharded) {
+    const double half = static_cast<double>(ranks - 1) / ranks;
+    const auto none = static_cast<int>(gradavg::compression::none);
+    methods.push_back({"gradavg/auto/sharded/plan", sharded_call, -1, none, half});
+    methods.push_back({"gather_shards", [&] { gather_call(gradavg::compression::none); }, -1, none,
+                       half / (with_squares ? 2 : 1)});
+    methods.push_back({"gather_shards/bf16", [&] { gather_call(gradavg::compression::bfloat16); }, -1,
+                       static_cast<int>(gradavg::compression::bfloat16), half / (with_squares ? 2 : 1)});
+    // The result of both: the replicated means (hashed; the squares stay sharded).
+    methods.push_back({"gradavg/auto/sharded+gather",
+                       [&] {
+                         sharded_call();
+                         gather_call(gradavg::compression::none);
+                       },
+                       -1, none, half * (with_squares ? 1.5 : 2)});
   }
 
   // Rounds: every method once per round, in order; round 0 is the warm-up.
   std::vector<std::vector<double>> times(methods.size());
   std::uint64_t reference[4] = {};
   bool same = true, have_reference[4] = {};
+  std::uint64_t means_reference = 0;  // the means of format none (gradavg/auto), for sharded+gather
+  bool have_means_reference = false;
   for (int round = 0; round <= cfg.rounds; ++round)
     for (std::size_t n = 0; n < methods.size(); ++n) {
       // Each round starts one method later: no method always follows the same one (a shaped
@@ -419,9 +467,22 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
       const std::size_t j = (n + static_cast<std::size_t>(round)) % methods.size();
       const double ms = time_once_ms(methods[j].f, cfg.gap_ms);
       if (round > 0) times[j].push_back(ms);
+      if (methods[j].name == "gradavg/auto/sharded+gather") {
+        // The gathered means against the replicated call's (gradavg/auto's, hashed first).
+        const std::uint64_t h = hash_of(p.means);
+        if (!have_means_reference) continue;  // gradavg/auto has not run yet in round 0
+        int differs = h != means_reference ? 1 : 0;
+        MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+        same = same && differs == 0;
+        continue;
+      }
       const int g = methods[j].format;
       if (g < 0) continue;
       const std::uint64_t h = hash_of(p.means) ^ (with_squares ? hash_of(p.squares) * 31 : 0);
+      if (g == 0 && !have_means_reference) {
+        means_reference = hash_of(p.means);
+        have_means_reference = true;
+      }
       // int8 with error feedback: a new seed and residual each call, so only the ranks compare.
       if (!have_reference[g] || g == static_cast<int>(gradavg::compression::int8)) {
         reference[g] = h;
@@ -456,14 +517,16 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 methods[first_gradavg].name.c_str(), med[first_gradavg] / allreduce, med[first_gradavg] / bound,
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
-    // The link's time for the bytes a rank sends (each direction): 2(n-1)/n of the encoded
-    // values (the format's bytes per block of values), at the link check's rate.
+    // The link's time for the bytes a rank sends (each direction): sent_per_value of the
+    // encoded values (the format's bytes per block of values), at the link check's rate.
     namespace processes = gradavg::detail::processes;
     for (std::size_t j = uncompressed_end; j < methods.size(); ++j) {
-      const processes::codec<float> format{static_cast<gradavg::compression>(methods[j].format)};
-      const double bytes_per_value =
-          static_cast<double>(format.block_bytes()) / static_cast<double>(processes::block_values);
-      const double sent = 2.0 * (ranks - 1) / ranks * static_cast<double>(all_floats) * bytes_per_value;
+      if (methods[j].wire < 0) continue;
+      const processes::codec<float> format{static_cast<gradavg::compression>(methods[j].wire)};
+      const double bytes_per_value = format.encodes() ? static_cast<double>(format.block_bytes()) /
+                                                            static_cast<double>(processes::block_values)
+                                                      : sizeof(float);
+      const double sent = methods[j].sent_per_value * static_cast<double>(all_floats) * bytes_per_value;
       const double link_ms = sent * 8 / (gbit * 1e9) * 1e3;
       std::printf("    %s: %.2fx allreduce, %.2fx %s; the link's time for its bytes %.3g ms: %.2fx of it\n",
                   methods[j].name.c_str(), med[j] / allreduce, med[j] / med[best], methods[best].name.c_str(), link_ms,
@@ -500,6 +563,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--point-to-point") c.point_to_point = std::atoi(v) != 0;
     else if (a == "--plan") c.plan = std::atoi(v) != 0;
     else if (a == "--compression") c.compression = std::atoi(v) != 0;
+    else if (a == "--sharded") c.sharded = std::atoi(v) != 0;
     else if (a == "--gap-ms") c.gap_ms = std::max(0, std::atoi(v));
     else return false;
   }

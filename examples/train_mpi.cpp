@@ -4,12 +4,16 @@
 // into each rank's tower 0, and every rank takes the same step of SGD with momentum (the average
 // is bitwise the same on every rank, so the models never drift apart).
 //
-//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|int8|all] [--quiet]
+//   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|int8|all]
+//       [--output replicated|sharded] [--quiet]
 //
 // --compression: the exchange's wire format (gradavg::compression; default none; int8 with error
 // feedback, a residual per rank kept across steps); all: the same
 // training once per format from the same start, each one's accuracy printed beside the fp32
 // exchange's.
+// --output sharded: ZeRO-1 — each rank receives the means of its shard of the parameters only
+// (gradavg::output_mode::sharded, half the bytes on the wire), keeps the momentum of that shard
+// only, updates its shard, and gradavg::mpi::gather_shards sends every shard to every rank.
 //
 // Exits non-zero unless (1) at the first step the averaged gradient matches the gradient of the
 // whole mini-batch (every shard of every rank) computed at once (within the format's rounding),
@@ -21,7 +25,9 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +59,7 @@ struct config {
   bool quiet = false;
   bool every_format = false;  // --compression all
   gradavg::compression format = gradavg::compression::none;
+  gradavg::output_mode output = gradavg::output_mode::replicated;
 };
 
 std::optional<config> parse_args(int argc, char** argv, int ranks) {
@@ -69,6 +76,12 @@ std::optional<config> parse_args(int argc, char** argv, int ranks) {
       const std::optional<wire_format> named = wire_format_named(name);
       if (!c.every_format && !named) return std::nullopt;
       if (named) c.format = named->format;
+      continue;
+    }
+    if (arg == "--output" && i + 1 < argc) {
+      const std::string_view name = argv[++i];
+      if (name != "replicated" && name != "sharded") return std::nullopt;
+      c.output = name == "sharded" ? gradavg::output_mode::sharded : gradavg::output_mode::replicated;
       continue;
     }
     const bool towers = arg == "--towers";
@@ -98,6 +111,56 @@ struct outcome {
   float test_accuracy;
 };
 
+/// Calls f(variable, first element, count) for each variable's part in the flat elements of
+/// `shard` (the variables end to end, in order).
+template <class Views, class F>
+void for_each_part(const gradavg::element_range& shard, const Views& views, F f) {
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < views.size(); ++i) {
+    const auto size = static_cast<std::size_t>(views[i].size());
+    const std::size_t begin = std::max(shard.begin, at), end = std::min(shard.end, at + size);
+    if (begin < end) f(i, begin - at, end - begin);
+    at += size;
+  }
+}
+
+/// SGD with momentum on the shard's elements of the model: velocity holds the shard's momentum
+/// (its first element the shard's first).
+void update_shard(const gradavg::element_range& shard, const std::vector<Eigen::Ref<Eigen::MatrixXf>>& means,
+                  std::vector<Eigen::Ref<Eigen::MatrixXf>> model, std::vector<float>& velocity) {
+  velocity.resize(shard.end - shard.begin, 0.0f);
+  std::size_t v = 0;
+  for_each_part(shard, means, [&](std::size_t i, std::size_t first, std::size_t count) {
+    const auto n = static_cast<Eigen::Index>(count);
+    Eigen::Map<const Eigen::ArrayXf> g(means[i].data() + first, n);
+    Eigen::Map<Eigen::ArrayXf> p(model[i].data() + first, n), vel(velocity.data() + v, n);
+    vel = momentum * vel + g;
+    p -= learning_rate * vel;
+    v += count;
+  });
+}
+
+/// The squared norm of the shard's means, in double.
+double shard_squared_norm(const gradavg::element_range& shard, const std::vector<Eigen::Ref<Eigen::MatrixXf>>& means) {
+  double sum = 0;
+  for_each_part(shard, means, [&](std::size_t i, std::size_t first, std::size_t count) {
+    for (std::size_t j = 0; j < count; ++j) sum += double(means[i].data()[first + j]) * double(means[i].data()[first + j]);
+  });
+  return sum;
+}
+
+/// The largest difference between a and b in the shard, relative to b's largest element.
+float shard_relative_difference(const gradavg::element_range& shard, const std::vector<Eigen::Ref<Eigen::MatrixXf>>& a,
+                                const std::vector<Eigen::Ref<Eigen::MatrixXf>>& b) {
+  float difference = 0, scale = 0;
+  for (const auto& y : b) scale = std::max(scale, y.cwiseAbs().maxCoeff());
+  for_each_part(shard, a, [&](std::size_t i, std::size_t first, std::size_t count) {
+    for (std::size_t j = 0; j < count; ++j)
+      difference = std::max(difference, std::fabs(a[i].data()[first + j] - b[i].data()[first + j]));
+  });
+  return difference / scale;
+}
+
 outcome train(const config& cfg, int rank, int ranks) {
   // Every rank generates the same data and initial model from the same seed.
   random_source rng(20240601);
@@ -117,8 +180,10 @@ outcome train(const config& cfg, int rank, int ranks) {
   gradavg::mpi::workspace work;  // fusion buffers kept from step to step
   gradavg::mpi::options opts;
   opts.exchange.work = &work;
-  opts.compute.statistics = true;
+  const bool sharded = cfg.output == gradavg::output_mode::sharded;
+  opts.compute.statistics = !sharded;  // statistics need every mean: the norm is summed below
   opts.exchange.compression = cfg.format;
+  opts.exchange.output = cfg.output;
   // int8 with error feedback: this rank's residual, one float per parameter, kept across steps.
   std::vector<float> residual;
   if (cfg.format == gradavg::compression::int8) {
@@ -128,8 +193,8 @@ outcome train(const config& cfg, int rank, int ranks) {
 
   const evaluation initial = evaluate(model, train_set);
   if (!cfg.quiet && rank == 0) {
-    std::printf("%d ranks x %d towers x %d samples per step, %d steps, compression %s\n", ranks, towers, shard_size,
-                cfg.steps, wire_format_of(cfg.format).name);
+    std::printf("%d ranks x %d towers x %d samples per step, %d steps, compression %s, output %s\n", ranks, towers,
+                shard_size, cfg.steps, wire_format_of(cfg.format).name, sharded ? "sharded" : "replicated");
     std::printf("initial   train loss %.4f  accuracy %5.1f%%\n", initial.loss, 100 * initial.accuracy);
   }
   dataset epoch = train_set;
@@ -140,6 +205,10 @@ outcome train(const config& cfg, int rank, int ranks) {
   std::vector<float> tower_loss(static_cast<std::size_t>(towers));
   parameters full_batch_gradient;  // for the first step's check
   gradavg::plan plan;  // one per training loop, on every rank
+  std::vector<float> shard_velocity;  // --output sharded: the momentum of this rank's shard
+  gradavg::mpi::workspace gather_work;
+  gradavg::mpi::options gather_opts;
+  gather_opts.exchange.work = &gather_work;
   const auto started = std::chrono::steady_clock::now();
   for (int step = 0; step < cfg.steps; ++step) {
     // This rank's towers: shards rank * towers ... of the global batch, one thread each.
@@ -165,19 +234,35 @@ outcome train(const config& cfg, int rank, int ranks) {
         gradavg::mpi::average_gradients_into(plan, MPI_COMM_WORLD, tower_grads, means, opts);
 
     if (step == 0) {
-      const float difference = max_relative_difference(mean_gradient, full_batch_gradient);
+      // Sharded: this rank's shard of the means against the same elements of the full batch's.
+      const float difference = sharded ? shard_relative_difference(summary.shard, means, outputs_of(full_batch_gradient))
+                                       : max_relative_difference(mean_gradient, full_batch_gradient);
       failed = difference > gradient_tolerance(cfg.format);
       if ((!cfg.quiet && rank == 0) || failed)
         std::printf("rank %d, step 1: averaged vs full-batch gradient over %d samples, max relative difference %.2g (%s)\n",
                     rank, batch_size, difference, failed ? "FAILED" : "ok");
     }
-    if (!cfg.quiet && rank == 0 && ((step + 1) % report_every == 0 || step + 1 == cfg.steps)) {
+    const bool report = (step + 1) % report_every == 0 || step + 1 == cfg.steps;
+    if (sharded) {
+      // ZeRO-1: the momentum and the update of this rank's shard only, then every shard gathered.
+      update_shard(summary.shard, means, outputs_of(model), shard_velocity);
+      gradavg::mpi::gather_shards(MPI_COMM_WORLD, outputs_of(model), gather_opts);
+    } else {
+      for_each_pair(velocity, mean_gradient, [](auto& vel, const auto& g) { vel = momentum * vel + g; });
+      for_each_pair(model, velocity, [](auto& p, const auto& vel) { p -= learning_rate * vel; });
+    }
+    if (!cfg.quiet && report) {
+      // Sharded: each rank holds its shard's means; the norm is the shards' squared norms summed.
+      double norm = sharded ? 0.0 : summary.global_norm();
+      if (sharded) {
+        double squares = shard_squared_norm(summary.shard, means);
+        MPI_Allreduce(MPI_IN_PLACE, &squares, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+        norm = std::sqrt(squares);
+      }
       float loss = 0;
       for (float l : tower_loss) loss += l / static_cast<float>(towers);
-      std::printf("step %5d  rank 0 loss %.4f  gradient norm %.3f\n", step + 1, loss, summary.global_norm());
+      if (rank == 0) std::printf("step %5d  rank 0 loss %.4f  gradient norm %.3f\n", step + 1, loss, norm);
     }
-    for_each_pair(velocity, mean_gradient, [](auto& vel, const auto& g) { vel = momentum * vel + g; });
-    for_each_pair(model, velocity, [](auto& p, const auto& vel) { p -= learning_rate * vel; });
     batch_start += batch_size;
     if (batch_start + batch_size > train_size) {
       shuffle_into(train_set, epoch, rng);
@@ -244,7 +329,8 @@ int main(int argc, char** argv) {
       status = 1;
     }
   } else if (rank == 0) {
-    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--compression none|bf16|fp16|int8|all] [--quiet]\n", argv[0],
+    std::fprintf(stderr, "usage: mpiexec -n P %s [--towers 1..%d] [--steps S] [--compression none|bf16|fp16|int8|all] "
+                 "[--output replicated|sharded] [--quiet]\n", argv[0],
                  train_size / shard_size / ranks);
   }
   MPI_Finalize();

@@ -165,6 +165,25 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, c
   return detail::average_allocating(comm, tower_grads, true, opts);
 }
 
+/// After sharded averaging (output_mode::sharded) and an update of each rank's shard: every
+/// rank's shard of `parameters` (shard_of over options.compute.range, clamped to the parameters'
+/// elements; summary::shard of the averaging call) sent to every other rank, so that every
+/// rank's parameters hold every shard's values. parameters: one writable float or double tensor
+/// per variable of the averaging call, in its order, with the element counts of its averaged
+/// variables (an absent slot, or 0 elements, for a skipped one); contiguous. Every rank passes
+/// the same counts, range, fusion_bytes, method and compression (else shape_error /
+/// option_error on every rank, nothing written). options.exchange.compression: the shards travel
+/// in that wire format (half or a quarter of the bytes), and every rank, the shard's owner too,
+/// writes the decoded values, so the ranks' parameters stay bitwise equal; none: the owner's bits.
+/// Wire bytes: (P - 1) / P of the parameters' per rank, half of an allreduce's. Collective over
+/// comm, with gradavg::mpi's error contract (mpi.hpp's file comment): a rank whose checks fail
+/// throws its error, every other rank remote_error, and no parameter is written anywhere.
+template <class Params>
+  requires gradavg::detail::output_range<Params&>
+void gather_shards(MPI_Comm comm, Params&& parameters, const mpi::options& opts = {}) {
+  detail::gather_shards(comm, parameters, opts);
+}
+
 GRADAVG_END_ISA_NAMESPACE
 }  // namespace mpi
 }  // namespace gradavg

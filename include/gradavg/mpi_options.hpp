@@ -100,6 +100,9 @@ struct exchange_options {
   /// How the sums are encoded on the wire (gradavg::compression): none, or a lossy 16-bit format
   /// that halves the bytes every rank sends and receives.
   gradavg::compression compression = gradavg::compression::none;
+  /// Which means each rank receives (gradavg::output_mode): every one, or with sharded its shard
+  /// only (summary::shard), for half the bytes on the wire.
+  gradavg::output_mode output = gradavg::output_mode::replicated;
   /// Error feedback for a lossy compression: empty (the default), or this rank's residual, one
   /// float per element of the averaged variables (their sizes' sum, in the flat order of
   /// compute.range; option_error otherwise), zero at the start and kept by the caller between

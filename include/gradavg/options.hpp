@@ -97,13 +97,36 @@ enum class compression : std::uint8_t {
   int8,
 };
 
-/// A range [begin, end) of the flat element range of all variables: variables in their order,
-/// each contributing its tower-0 gradient's element count (0 when absent), elements in storage
-/// order. The default covers everything; end is clamped to the total.
-struct element_range {
-  std::size_t begin = 0;
-  std::size_t end = std::numeric_limits<std::size_t>::max();
+/// Which means each rank receives from a call across processes (options.exchange.output of
+/// gradavg::mpi).
+enum class output_mode : std::uint8_t {
+  /// Every rank receives every mean (the default): the exchange of an allreduce.
+  replicated,
+  /// Each rank receives the means (and squares) of its own shard of the flat range only
+  /// (shard_of: contiguous, in rank order; summary::shard), and leaves its other output elements
+  /// untouched: the exchange of a reduce-scatter, half of replicated's bytes on the wire, for an
+  /// optimizer that updates its shard (ZeRO-1/2) and then gathers the parameters
+  /// (gradavg::mpi::gather_shards). The shard's means are the ones replicated gives with
+  /// compression::none; with a lossy format they are the sums of the decoded contributions,
+  /// never encoded again (one rounding fewer). Statistics (options.compute.statistics) need every
+  /// mean and are refused (option_error); non-finite detection covers every rank's elements (a
+  /// variable is flagged on every rank).
+  sharded,
 };
+
+/// Rank `rank`'s shard of the flat elements [range.begin, range.end) among `ranks` ranks
+/// (output_mode::sharded): [begin + n r / ranks, begin + n (r + 1) / ranks), n = end - begin;
+/// contiguous, in rank order, sizes differing by at most one. range: the call's range clamped to
+/// the averaged elements (summary::shard reports the result for the calling rank).
+constexpr element_range shard_of(element_range range, int ranks, int rank) noexcept {
+  const std::size_t n = range.end > range.begin ? range.end - range.begin : 0;
+  const auto p = static_cast<std::size_t>(ranks > 0 ? ranks : 1);
+  const auto r = static_cast<std::size_t>(rank < 0 ? 0 : rank > ranks ? ranks : rank);
+  // n r may not fit 64 bits for a huge n: split it (n = q p + m).
+  auto first = [&](std::size_t k) { return range.begin + n / p * k + n % p * k / p; };
+  return {first(r), r + 1 <= p ? first(r + 1) : first(p)};
+}
+
 
 /// What a call computes besides the means, and in which arithmetic.
 struct compute_options {

@@ -12,6 +12,14 @@
 
 namespace gradavg {
 
+/// A range [begin, end) of the flat element range of all variables: variables in their order,
+/// each contributing its tower-0 gradient's element count (0 when absent), elements in storage
+/// order. The default covers everything; end is clamped to the total.
+struct element_range {
+  std::size_t begin = 0;
+  std::size_t end = std::numeric_limits<std::size_t>::max();
+};
+
 /// Gradient-noise estimate from one step's means and means of squares (McCandlish et al. 2018,
 /// "An Empirical Model of Large-Batch Training", appendix A.1, with the towers' gradients as the
 /// small batches and their weighted mean as the big one), for towers of unequal sample counts.
@@ -87,6 +95,11 @@ struct summary {
   /// without options.compute.weights): weight-0 towers hold no sample of the noise estimate.
   std::size_t towers = 0;
   std::size_t weighted_towers = 0;
+
+  /// The flat elements (element_range) whose means and squares this call wrote on this process:
+  /// options.compute.range clamped to the averaged elements, or across processes with
+  /// output_mode::sharded this rank's shard of it (shard_of), the elements its optimizer updates.
+  element_range shard = {0, 0};
 
   /// Some input element was NaN or +-Inf: skip the step (and lower the loss scale).
   [[nodiscard]] bool nonfinite() const noexcept { return nonfinite_variables != 0; }

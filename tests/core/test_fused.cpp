@@ -747,6 +747,8 @@ TEST_CASE("a range is clamped to the flat total, and non-finite inputs outside i
   opts.compute.range = {60, std::numeric_limits<std::size_t>::max() - 1};  // end clamped to 100
   const auto tail = run_into(w, opts);
   CHECK(tail.summary.averaged == 1);
+  CHECK(tail.summary.shard.begin == 60);  // the elements written: the range, clamped
+  CHECK(tail.summary.shard.end == 100);
   CHECK(is_untouched(tail.per_variable[0]));
   require_outputs_match(tail.means, w.expect({}, 1.0, 60, 100), false, fused_tolerance<float>(3));
   opts.compute.range = {100, 100};
@@ -756,7 +758,10 @@ TEST_CASE("a range is clamped to the flat total, and non-finite inputs outside i
   CHECK(is_untouched(none.per_variable[0]));
   CHECK(is_untouched(none.per_variable[1]));
   opts.compute.range = {150, 200};  // both clamped to 100
-  CHECK(run_into(w, opts).summary.averaged == 0);
+  const auto past = run_into(w, opts);
+  CHECK(past.summary.averaged == 0);
+  CHECK(past.summary.shard.begin == 100);
+  CHECK(past.summary.shard.end == 100);
 }
 
 TEST_CASE("zero policy on a bucket over many segments: only the bucket's elements of the flagged variable are zeroed") {

@@ -280,6 +280,59 @@ TEST_CASE("compressed exchange over MPI: the documented format's bits, the same 
   }
 }
 
+TEST_CASE("sharded output over MPI: each rank's shard holds the replicated means, gather_shards completes them") {
+  // Buckets of 4 KiB: many buckets, each a run of every rank's shard; absent variables hold no
+  // element of the flat range (and no parameter of the gather: a null slot).
+  const world<float> w({1, 7, 33, 1000, 5, 4097, 2}, {false, false, true, false, false, false, true}, layout(true), 31);
+  auto replicated = w.outputs();
+  gradavg::mpi::options opts;
+  opts.exchange.fusion_bytes = 4096;
+  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), replicated, opts);
+  require_reference(w, replicated, false);
+  for (exchange how : {exchange::point_to_point, exchange::collectives})
+    for (auto format : {gradavg::compression::none, gradavg::compression::bfloat16}) {
+      INFO("collectives " << (how == exchange::collectives) << ", gather's compression " << static_cast<int>(format));
+      auto sharded = w.outputs();
+      opts.exchange.method = how;
+      opts.exchange.output = gradavg::output_mode::sharded;
+      opts.exchange.compression = gradavg::compression::none;
+      const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, w.local(), sharded, opts);
+      const std::size_t total = 1 + 7 + 1000 + 5 + 4097;
+      const auto p = static_cast<std::size_t>(world_size()), r = static_cast<std::size_t>(world_rank());
+      CHECK(s.shard.begin == total * r / p);
+      CHECK(s.shard.end == total * (r + 1) / p);
+      std::size_t at = 0, bad = 0;
+      std::vector<std::vector<float>*> parameters;
+      for (std::size_t i = 0; i < w.sizes.size(); ++i) {
+        parameters.push_back(w.absent[i] ? nullptr : &sharded[i]);
+        if (w.absent[i]) {
+          bad += sharded[i][0] != -1234.5f ? 1 : 0;
+          continue;
+        }
+        for (std::size_t j = 0; j < w.sizes[i]; ++j, ++at) {
+          const float want = at >= s.shard.begin && at < s.shard.end ? replicated[i][j] : -1234.5f;
+          bad += std::bit_cast<std::uint32_t>(sharded[i][j]) != std::bit_cast<std::uint32_t>(want) ? 1 : 0;
+        }
+      }
+      CHECK(bad == 0);
+      gradavg::mpi::options gather;
+      gather.exchange.method = how;
+      gather.exchange.compression = format;
+      gather.exchange.fusion_bytes = 4096;
+      gradavg::mpi::gather_shards(MPI_COMM_WORLD, parameters, gather);
+      CHECK(same_on_every_rank(hash_of(sharded)));
+      std::size_t off = 0;
+      for (std::size_t i = 0; i < w.sizes.size(); ++i)
+        for (std::size_t j = 0; j < (w.absent[i] ? 1 : w.sizes[i]); ++j) {
+          const float want = w.absent[i] ? -1234.5f
+                             : format == gradavg::compression::none ? replicated[i][j]
+                                                                     : static_cast<float>(bfloat16(replicated[i][j]));
+          off += std::bit_cast<std::uint32_t>(sharded[i][j]) != std::bit_cast<std::uint32_t>(want) ? 1 : 0;
+        }
+      CHECK(off == 0);
+    }
+}
+
 TEMPLATE_TEST_CASE("16-bit gradients into 16-bit and into float outputs", "", half, bfloat16) {
   using S = TestType;
   const world<S> w({3, 129, 1000}, {false, false, false}, layout(true), 5);
@@ -915,13 +968,20 @@ TEST_CASE("an exception from one rank's executor while averaging: its own there,
   const exchange how = GENERATE(exchange::point_to_point, exchange::collectives);
   // And with a compressed exchange: the failing rank's zeros are encoded like any contribution.
   const auto format = GENERATE(gradavg::compression::none, gradavg::compression::float16, gradavg::compression::int8);
-  INFO("collectives " << (how == exchange::collectives) << ", compression " << static_cast<int>(format));
+  // And with sharded output: no gather, the owners keep the sums.
+  const auto output = GENERATE(gradavg::output_mode::replicated, gradavg::output_mode::sharded);
+  INFO("collectives " << (how == exchange::collectives) << ", compression " << static_cast<int>(format) << ", output "
+                      << static_cast<int>(output));
   failing_executor down;
   gradavg::mpi::workspace work;
   gradavg::mpi::options opts;
   opts.exchange.method = how;
   opts.exchange.compression = format;
-  opts.exchange.fusion_bytes = 1 << 20;  // three buckets, the first of two chunks: the failure comes first
+  opts.exchange.output = output;
+  // Three buckets, the first of two chunks: the failure comes first; sharded, each rank's slot of
+  // a bucket as large (a slot is 1 / P of its bucket).
+  opts.exchange.fusion_bytes = std::size_t{1} << 20;
+  if (output == gradavg::output_mode::sharded) opts.exchange.fusion_bytes *= static_cast<std::size_t>(world_size());
   opts.exchange.work = &work;
   if (world_rank() == failing) {
     opts.run.threads = 2;
@@ -943,6 +1003,11 @@ TEST_CASE("an exception from one rank's executor while averaging: its own there,
   opts.run.threads = 1;
   auto again = w.outputs();
   gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, again, opts);
+  if (output == gradavg::output_mode::sharded) {
+    gradavg::mpi::options gather;
+    gather.exchange.method = how;
+    gradavg::mpi::gather_shards(MPI_COMM_WORLD, again, gather);  // every rank's shard, raw
+  }
   if (format == gradavg::compression::none) require_reference(w, again, false);
   CHECK(same_on_every_rank(hash_of(again)));
 }

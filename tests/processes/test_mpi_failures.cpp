@@ -334,6 +334,45 @@ TEST_CASE("an allocation that fails at any point on one rank: std::bad_alloc the
   }
 }
 
+TEST_CASE("sharded output and the gather of shards: a tensor_traits call or an allocation that fails at any point on "
+          "one rank: its error there, remote_error elsewhere, nothing written, no hang") {
+  layout l({5, 300, 7});
+  for (const int failing : {0, world_size() - 1})
+    for (const auto format : {gradavg::compression::none, gradavg::compression::float16}) {
+      INFO("failing rank " << failing << ", compression " << static_cast<int>(format));
+      gradavg::mpi::workspace work;
+      gradavg::mpi::options opts;
+      opts.exchange.fusion_bytes = 4 * 64;  // several buckets
+      opts.exchange.work = &work;
+      opts.exchange.compression = format;
+      opts.exchange.output = gradavg::output_mode::sharded;
+      opts.compute.on_nonfinite = gradavg::nonfinite_policy::zero;
+      auto sharded = [&](std::vector<std::vector<float>>& out, std::uint64_t& before, auto&& guarded) {
+        out = l.outputs();
+        before = hash_of(out);
+        const flaky_towers tg = towers_of(l);
+        auto means = outputs_of(out, 0, l.sizes.size());
+        guarded([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, tg, means, opts); });
+      };
+      CHECK(inject_everywhere(traits_failure, failing, true, sharded) > 10);
+      opts.exchange.work = nullptr;  // the allocations: each call's own buffers
+      CHECK(inject_everywhere(allocation_failure, failing, true, sharded) > 0);
+      // The gather: its parameters' reads, its tables and buffers (a workspace of its own).
+      gradavg::mpi::workspace gather_work;
+      opts.exchange.work = &gather_work;
+      auto gather = [&](std::vector<std::vector<float>>& out, std::uint64_t& before, auto&& guarded) {
+        out = l.outputs();
+        for (std::size_t i = 0; i < out.size(); ++i) out[i][0] = static_cast<float>(world_rank() + 1);
+        before = hash_of(out);
+        auto parameters = outputs_of(out, 0, l.sizes.size());
+        guarded([&] { gradavg::mpi::gather_shards(MPI_COMM_WORLD, parameters, opts); });
+      };
+      CHECK(inject_everywhere(traits_failure, failing, true, gather) >= 3);
+      opts.exchange.work = nullptr;
+      CHECK(inject_everywhere(allocation_failure, failing, true, gather) > 0);
+    }
+}
+
 TEST_CASE("an executor that fails at any call on one rank, before or after a task: its error there, "
           "remote_error elsewhere, no hang") {
   // A variable of 1.5 M floats in buckets of 2 MiB: three buckets, each bucket's kernel through

@@ -4,6 +4,7 @@
 
 #include <gradavg/gradavg.hpp>
 #include <gradavg/detail/processes/average.hpp>
+#include <gradavg/detail/processes/gather.hpp>
 
 #include <Eigen/Core>
 
@@ -34,6 +35,7 @@ struct thread_options {
   struct {
     std::size_t fusion_bytes = 0;
     gradavg::compression compression = gradavg::compression::none;
+    gradavg::output_mode output = gradavg::output_mode::replicated;
     std::span<float> residual = {};
     std::uint64_t seed = 0;
   } exchange;

@@ -193,10 +193,13 @@ double accumulator_max(const options& opts) noexcept {
   return with_accumulator<S>(opts, []<class Acc>() { return static_cast<double>(std::numeric_limits<Acc>::max()); });
 }
 
-/// The summary of a call from validation's counts and the pass's result.
-inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size_t towers, const pass_result& pass,
-                            const options& opts) {
+/// The summary of a call from validation's counts (elements: the flat range's total) and the
+/// pass's result.
+inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size_t towers, std::size_t elements,
+                            const pass_result& pass, const options& opts) {
   summary r;
+  r.shard = {std::min(opts.compute.range.begin, elements), std::min(opts.compute.range.end, elements)};
+  r.shard.begin = std::min(r.shard.begin, r.shard.end);
   r.averaged = pass.whole_range ? averaged : pass.written;
   r.skipped = skipped;
   r.nonfinite_variables = pass.nonfinite;
@@ -218,7 +221,7 @@ summary average_layout(const buffer_table& layout, std::size_t variables, std::s
   const pass_table table{layout, elements};
   const pass_result pass = with_accumulator<S>(
       opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, table, with_squares, opts); });
-  return make_summary(averaged, skipped, towers, pass, opts);
+  return make_summary(averaged, skipped, towers, elements, pass, opts);
 }
 
 /// The allocating calls return whole variables: options.compute.range must be the default

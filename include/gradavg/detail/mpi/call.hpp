@@ -7,6 +7,7 @@
 #include "transport.hpp"
 #include "../isa.hpp"
 #include "../processes/average.hpp"
+#include "../processes/gather.hpp"
 #include "../../mpi_options.hpp"
 #include "../../plan.hpp"
 #include "../../statistics.hpp"
@@ -26,6 +27,16 @@ summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares
   shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
   transport wire(comm, opts, work);
   return processes::average_into<SameElements>(wire, work, tg, means, squares, opts, prior, planned);
+}
+
+/// gradavg::mpi::gather_shards: the communicator's checks, then the gather over MPI.
+template <class Params>
+void gather_shards(MPI_Comm comm, Params& params, const mpi::options& opts) {
+  check_communicator(comm);
+  workspace own;
+  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
+  transport wire(comm, opts, work);
+  processes::gather_shards(wire, work, params, opts);
 }
 
 }  // namespace detail

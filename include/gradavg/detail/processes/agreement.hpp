@@ -79,6 +79,7 @@ enum header_field : std::size_t {
   h_per_variable,  // per_variable passed
   h_exchange,     // the transport's method_code
   h_compression,  // options.exchange.compression
+  h_output,       // options.exchange.output
   header_words
 };
 
@@ -231,7 +232,8 @@ inline void agree_on_headers(const char* caller, const std::uint64_t* all, int r
                          named{h_scale, "options.compute.scale"},
                          named{h_per_variable, "whether options.compute.per_variable is passed"},
                          named{h_exchange, "options.exchange.method"},
-                         named{h_compression, "options.exchange.compression"}})
+                         named{h_compression, "options.exchange.compression"},
+                         named{h_output, "options.exchange.output"}})
     if (const rank_split d = split_on(n.f); !d.odd.empty())
       throw option_error(std::string(caller) + ": " + rank_list(d.odd) + " " + verb_s(d.odd, "passes", "pass") +
                          " a different " + std::string(n.what) + " than " + rank_list(d.common) +

@@ -151,6 +151,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
     header[h_per_variable] = opts.compute.per_variable.empty() ? 0 : 1;
     header[h_exchange] = wire.method_code();
     header[h_compression] = static_cast<std::uint64_t>(opts.exchange.compression);
+    header[h_output] = static_cast<std::uint64_t>(opts.exchange.output);
     header[h_weight_sum] = double_to_bits(gradavg::detail::weight_sum(opts.compute.weights, std::ranges::size(tg)));
     header[h_weighted_towers] =
         opts.compute.weights.empty() ? std::ranges::size(tg) : gradavg::detail::positive_weights(opts.compute.weights);
@@ -247,6 +248,12 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
                            "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
       gradavg::shared_detail::require_named(opts.exchange.compression, compression::int8,
                                             "options.exchange.compression");
+      gradavg::shared_detail::require_named(opts.exchange.output, output_mode::sharded, "options.exchange.output");
+      if (opts.exchange.output == output_mode::sharded && opts.compute.statistics)
+        throw option_error(std::string(Transport::caller) +
+                           ": options.compute.statistics needs every mean, and options.exchange.output is sharded "
+                           "(each rank receives its shard's only); compute the statistics over the shards, or "
+                           "replicate the output");
       wire.check_options();
       plan_here = plan_state_here(header);
       if (plan_here == plan_state::lapsed) {

@@ -72,11 +72,14 @@ struct data_path {
   std::uint64_t* sizes = nullptr;  // each variable's element count and first flat element
   std::size_t total = 0;            // elements of the variables present on every local tower
   std::size_t range_begin = 0, range_end = 0;
+  element_range own{0, 0};  // the elements this rank's outputs receive (summary::shard)
   std::size_t bucket_elements = 0, buckets = 0;
+  std::size_t slot_elements = 0, slot_len = 0;  // output_mode::sharded: a slot's run and buffer elements
   bool stream_outputs = false;  // options.run.stores decided for this rank's data (prepare())
   bucket_set set[3] = {};
   bool squares_in_buffer() const noexcept { return with_squares || opts.compute.statistics; }
   bool detect() const noexcept { return opts.compute.on_nonfinite != nonfinite_policy::ignore; }
+  bool sharded() const noexcept { return opts.exchange.output == output_mode::sharded; }
 
   /// This rank's tables (tower pointers, outputs, sizes and offsets, per-variable sums) and fusion
   /// buffers, from the table of buffers its checks recorded (validate_into's layout, or its
@@ -104,41 +107,46 @@ struct data_path {
     if (layout != nullptr) check_residual();
     range_begin = std::min(opts.compute.range.begin, total);
     range_end = std::min(opts.compute.range.end, total);
+    own = {std::min(range_begin, range_end), range_end};
+    if (sharded()) own = shard_of(own, ranks, rank);
     buckets = 0;
+    // The last collective: one word, and with sharded output and detection the variables'
+    // non-finite flags, a bit each (data_path::run).
+    work.outcome.resize(1 + (sharded() && detect() ? (variables + 63) / 64 : 0));
     // The rank's reads of its towers and writes of its outputs decide the stores
     // (options.run.stores).
     const std::size_t element_traffic = towers * sizeof(S) + (with_squares ? 2 : 1) * sizeof(O);
-    stream_outputs = gradavg::detail::streams(local, (range_end - std::min(range_begin, range_end)) * element_traffic);
+    stream_outputs = gradavg::detail::streams(local, (own.end - own.begin) * element_traffic);
     if (range_begin >= range_end) return;
 
     // Buckets: E elements each (means and squares), a flag per variable touching it behind them.
     const std::size_t per_element = sizeof(Buf) * (squares_in_buffer() ? 2 : 1);
-    const std::size_t asked = opts.exchange.fusion_bytes;
-    const std::size_t fusion_bytes = asked != 0 ? asked : automatic_fusion_bytes();
+    const std::size_t fusion_bytes = fusion_bytes_for<Buf>(wire, opts.exchange.fusion_bytes, opts.exchange.compression);
     bucket_elements = std::max<std::size_t>(1, fusion_bytes / per_element);
     const std::size_t n = range_end - range_begin;
-    buckets = (n + bucket_elements - 1) / bucket_elements;
-    // Most variables one bucket can touch: bounded by its elements and by the variable count.
-    const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
-    const std::size_t max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
+    std::size_t max_len = 0, room = 0;
+    if (sharded()) {
+      // Bucket b: the b-th run of slot_elements of every rank's shard, in slots of slot_len.
+      const std::size_t largest = (n + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
+      slot_elements = std::min(std::max<std::size_t>(1, bucket_elements / static_cast<std::size_t>(ranks)), largest);
+      buckets = (largest + slot_elements - 1) / slot_elements;
+      const std::size_t max_flags = detect() ? std::min(variables, slot_elements) + 1 : 0;
+      slot_len = slot_elements * (squares_in_buffer() ? 2 : 1) + max_flags;
+      max_len = static_cast<std::size_t>(ranks) * slot_len;
+      room = exchange().slot_room(slot_len);
+    } else {
+      buckets = (n + bucket_elements - 1) / bucket_elements;
+      // Most variables one bucket can touch: bounded by its elements and by the variable count.
+      const std::size_t max_flags = detect() ? std::min(variables, bucket_elements) + 1 : 0;
+      max_len = std::min(bucket_elements, n) * (squares_in_buffer() ? 2 : 1) + max_flags;
+      room = exchange().room(max_len);
+    }
     const std::size_t sets = std::min<std::size_t>(3, buckets);
-    const std::size_t set_elements = max_len + exchange().room(max_len);
+    const std::size_t set_elements = max_len + room;
     work.buffers.resize(sets * set_elements * sizeof(Buf));  // new[]: aligned for any Buf
     Buf* base = reinterpret_cast<Buf*>(work.buffers.data());
     wire.reserve(sets);
     for (std::size_t s = 0; s < sets; ++s) set[s] = {base + s * set_elements, base + s * set_elements + max_len, s};
-  }
-
-  /// Fusion bytes when options.exchange.fusion_bytes is 0: the transport's automatic size, which
-  /// it chose for its messages; with compression, grown by the format's ratio, so that the
-  /// encoded bucket, what the messages carry, keeps that size (int8's buckets hold 3.9 times the
-  /// values: without it, its messages would be a quarter of the size the transport chose).
-  std::size_t automatic_fusion_bytes() const noexcept {
-    const std::size_t base = wire.automatic_fusion_bytes();
-    const codec<Buf> format{opts.exchange.compression};
-    if (!format.encodes()) return base;
-    return static_cast<std::size_t>(static_cast<double>(base) * static_cast<double>(sizeof(Buf) * block_values) /
-                                    static_cast<double>(format.block_bytes()));
   }
 
   /// options.exchange.residual: empty, or one float per element of the flat range with a lossy
@@ -167,12 +175,11 @@ struct data_path {
   };
   static constexpr std::size_t piece_elements = std::size_t{1} << 16;  // between progress calls
 
-  /// Set by run(): the global weight sum (the divisor), the fused parameters, the first variable
-  /// shape_of_bucket looks at, and the count of finished variables with a non-finite input.
+  /// Set by run(): the global weight sum (the divisor), the fused parameters, and the count of
+  /// finished variables with a non-finite input.
   double weight_sum = 0;
   bool fused = false;
   gradavg::detail::fused_params<Buf> params{};
-  std::size_t walk_variable = 0;
   std::size_t nonfinite_variables = 0;
 
   bool zero_nonfinite() const noexcept { return opts.compute.on_nonfinite == nonfinite_policy::zero; }
@@ -187,18 +194,30 @@ struct data_path {
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
   std::size_t offset_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i + 1]); }
 
-  /// Bucket b (buckets are shaped in order: walk_variable only moves forward).
-  bucket_shape shape_of_bucket(std::size_t b) {
+  /// The shape of the run of flat elements [begin, end), its first variable found by search.
+  bucket_shape shape_of_run(std::size_t begin, std::size_t end) const {
     bucket_shape sh;
-    sh.begin = range_begin + b * bucket_elements;
-    sh.end = std::min(range_end, sh.begin + bucket_elements);
-    while (walk_variable < variables && offset_of(walk_variable) + size_of(walk_variable) <= sh.begin) ++walk_variable;
-    sh.first_variable = walk_variable;
-    std::size_t v = walk_variable, flags = 0;
-    for (; v < variables && offset_of(v) < sh.end; ++v) flags += size_of(v) != 0 ? 1 : 0;
-    const std::size_t elements = sh.end - sh.begin;
-    sh.parts = {{elements, squares_in_buffer() ? elements : 0, detect() ? flags : 0}, sh.begin};
+    sh.begin = begin;
+    sh.end = end;
+    sh.first_variable = first_variable_after(sizes, variables, begin);
+    std::size_t flags = 0;
+    for (std::size_t v = sh.first_variable; v < variables && offset_of(v) < end; ++v) flags += size_of(v) != 0 ? 1 : 0;
+    const std::size_t elements = end - begin;
+    sh.parts = {{elements, squares_in_buffer() ? elements : 0, detect() && elements != 0 ? flags : 0}, begin};
     return sh;
+  }
+
+  /// Bucket b of the range (replicated output).
+  bucket_shape shape_of_bucket(std::size_t b) const {
+    const std::size_t begin = range_begin + b * bucket_elements;
+    return shape_of_run(begin, std::min(range_end, begin + bucket_elements));
+  }
+
+  /// Sharded output: slot r of bucket b, the b-th run of slot_elements of rank r's shard (empty
+  /// past its end).
+  bucket_shape slot_shape(std::size_t b, int r) const {
+    const element_range run = shard_run({range_begin, range_end}, ranks, r, b, slot_elements);
+    return shape_of_run(run.begin, run.end);
   }
 
   /// Progress of the buckets in flight while the kernel runs (exchange.hpp: transport::test).
@@ -244,20 +263,40 @@ struct data_path {
     }
   }
 
-  /// options.run.threads / pool: the bucket split into chunks (the sums do not depend on the split).
-  void fill(const bucket_shape& sh, Buf* buffer) {
-    const std::size_t elements = sh.end - sh.begin;
-    std::fill(buffer + elements * (squares_in_buffer() ? 2 : 1), buffer + sh.parts.len(), Buf(0));  // the flags
+  /// Fills a bucket of `runs` runs of flat elements: run r shaped shape_of(r), at buffer + r * stride
+  /// (stride 0: one run), its flags and the rest of its stride zeroed. options.run.threads / pool:
+  /// the runs' elements, end to end, split into chunks (the sums do not depend on the split).
+  template <class ShapeOf>
+  void fill_runs(int runs, const ShapeOf& shape_of, Buf* buffer, std::size_t stride) {
+    std::size_t elements = 0;
+    for (int r = 0; r < runs; ++r) {
+      const bucket_shape sh = shape_of(r);
+      Buf* run = buffer + static_cast<std::size_t>(r) * stride;
+      const std::size_t e = sh.end - sh.begin;
+      std::fill(run + e * (squares_in_buffer() ? 2 : 1), run + std::max(sh.parts.len(), stride), Buf(0));
+      elements += e;
+    }
     const std::size_t chunks =
         gradavg::detail::chunk_count(elements, towers * sizeof(S) + element_bytes(), local);
+    auto chunk = [&](std::size_t c, bool with_progress) {
+      const std::size_t lo = elements * c / chunks, hi = elements * (c + 1) / chunks;
+      std::size_t at = 0;  // where run r begins among the runs' elements
+      for (int r = 0; r < runs && at < hi; ++r) {
+        const bucket_shape sh = shape_of(r);
+        const std::size_t e = sh.end - sh.begin;
+        const std::size_t from = std::max(lo, at), to = std::min(hi, at + e);
+        if (from < to)
+          fill_range(sh, buffer + static_cast<std::size_t>(r) * stride, sh.begin + (from - at), sh.begin + (to - at),
+                     with_progress);
+        at += e;
+      }
+    };
     if (chunks <= 1) {
-      fill_range(sh, buffer, sh.begin, sh.end, true);
+      chunk(0, true);
       return;
     }
-    auto chunk = [&](std::size_t c) {
-      fill_range(sh, buffer, sh.begin + elements * c / chunks, sh.begin + elements * (c + 1) / chunks, false);
-    };
-    gradavg::detail::run_chunks(chunks, chunk, local);
+    auto threaded = [&](std::size_t c) { chunk(c, false); };
+    gradavg::detail::run_chunks(chunks, threaded, local);
   }
 
   /// A variable whose last element in the range has been written: zeroed when the policy says,
@@ -268,23 +307,23 @@ struct data_path {
     r.nonfinite = work.nonfinite[i] != 0;
     if (zero_nonfinite() && r.nonfinite)
       gradavg::detail::zero_outputs(static_cast<O*>(work.outputs[2 * i]), static_cast<O*>(work.outputs[2 * i + 1]),
-                                    gradavg::detail::covered_by(offset_of(i), size_of(i), range_begin, range_end));
+                                    gradavg::detail::covered_by(offset_of(i), size_of(i), own.begin, own.end));
     gradavg::detail::finish_variable(opts.compute, i, r);
     if (sums != nullptr) *sums = r;
     nonfinite_variables += r.nonfinite ? 1 : 0;
   }
 
-  /// Divides a gathered bucket into the outputs, adds its statistics to stats, finishes the
-  /// variables whose last element it holds.
+  /// Divides a bucket's sums (buffer: laid out as sh.parts says) into the outputs, adds their
+  /// statistics to stats, finishes the variables whose last element it holds (sharded output:
+  /// after the last collective, run()).
   template <class Acc>
-  void unpack(const bucket_shape& sh, bucket_set& bs, gradavg::detail::flat_statistics<Acc>& stats) {
-    exchange().finish(sh.parts, bs);
+  void unpack(const bucket_shape& sh, const Buf* buffer, gradavg::detail::flat_statistics<Acc>& stats) {
     const Acc divisor = static_cast<Acc>(weight_sum);
     bool streamed = false;  // non-temporal stores made: fenced before the outputs are read
     const std::size_t elements = sh.end - sh.begin;
-    const Buf* sums = bs.local;
-    const Buf* sq = bs.local + elements;
-    const Buf* flags = bs.local + elements * (squares_in_buffer() ? 2 : 1);
+    const Buf* sums = buffer;
+    const Buf* sq = buffer + elements;
+    const Buf* flags = buffer + elements * (squares_in_buffer() ? 2 : 1);
     std::size_t flag = 0;
     for (std::size_t i = sh.first_variable; i < variables && offset_of(i) < sh.end; ++i) {
       const std::size_t size = size_of(i);
@@ -326,7 +365,7 @@ struct data_path {
         const std::size_t last = std::min(offset_of(i) + size, range_end);
         stats.add(i, first, last, offset_of(i) + begin, offset_of(i) + end, value,
                   [&](std::size_t v, gradavg::detail::piece_result& r) { finish_variable(v, &r); });
-      } else if (offset_of(i) + size <= sh.end || sh.end == range_end) {
+      } else if (!sharded() && (offset_of(i) + size <= sh.end || sh.end == range_end)) {
         finish_variable(i, nullptr);
       }
     }
@@ -349,6 +388,7 @@ struct data_path {
       result.averaged += reduced[i * variable_words + v_state] == present_everywhere ? 1 : 0;
     result.skipped = variables - result.averaged;
     result.statistics = opts.compute.statistics;
+    result.shard = own;
     if (range_begin != 0 || range_end != total)
       result.averaged = gradavg::detail::variables_in_range(
           variables, [&](std::size_t i) { return size_of(i); }, range_begin, range_end);
@@ -366,21 +406,53 @@ struct data_path {
     for (std::size_t b = 0; b < buckets + 2; ++b) {
       if (b < buckets) {
         bucket_set& bs = set[b % 3];
-        shapes[b % 3] = shape_of_bucket(b);
+        shapes[b % 3] = sharded() ? slot_shape(b, rank) : shape_of_bucket(b);
+        const std::size_t len = sharded() ? static_cast<std::size_t>(ranks) * slot_len : shapes[b % 3].parts.len();
         if (!failure) {
           try {
-            fill(shapes[b % 3], bs.local);
+            if (sharded())
+              fill_runs(ranks, [&](int r) { return slot_shape(b, r); }, bs.local, slot_len);
+            else
+              fill_runs(1, [&](int) { return shapes[b % 3]; }, bs.local, 0);
           } catch (...) {
             failure = std::current_exception();
           }
         }
-        if (failure) std::fill(bs.local, bs.local + shapes[b % 3].parts.len(), Buf(0));
-        exchange().start(shapes[b % 3].parts, bs);
+        if (failure) std::fill(bs.local, bs.local + len, Buf(0));
+        if (sharded())
+          exchange().start_slots([&](int r) { return slot_shape(b, r).parts; }, slot_len, bs);
+        else
+          exchange().start(shapes[b % 3].parts, bs);
       }
-      if (b >= 1 && b - 1 < buckets) exchange().reduce_and_gather(shapes[(b - 1) % 3].parts, set[(b - 1) % 3]);
-      if (b >= 2) unpack<Acc>(shapes[(b - 2) % 3], set[(b - 2) % 3], stats);
+      if (b >= 1 && b - 1 < buckets) {
+        bucket_set& bs = set[(b - 1) % 3];
+        if (sharded())
+          exchange().reduce_slot(shapes[(b - 1) % 3].parts, slot_len, bs);
+        else
+          exchange().reduce_and_gather(shapes[(b - 1) % 3].parts, bs);
+      }
+      if (b >= 2) {
+        bucket_set& bs = set[(b - 2) % 3];
+        const bucket_shape& sh = shapes[(b - 2) % 3];
+        if (sharded()) {
+          if (sh.end > sh.begin) unpack<Acc>(sh, bs.local + static_cast<std::size_t>(rank) * slot_len, stats);
+        } else {
+          exchange().finish(sh.parts, bs);
+          unpack<Acc>(sh, bs.local, stats);
+        }
+      }
     }
     return failure;
+  }
+
+  /// Sharded output: every variable with elements in the range finished, its non-finite flag
+  /// every rank's (flags: the last collective's complements; none without detection).
+  void finish_shard(const std::uint64_t* flags, std::size_t flag_words) {
+    for (std::size_t i = 0; i < variables; ++i) {
+      if (size_of(i) == 0 || offset_of(i) + size_of(i) <= range_begin || offset_of(i) >= range_end) continue;
+      if (flag_words != 0) work.nonfinite[i] = (flags[i / 64] >> (i % 64) & 1) == 0 ? 1 : 0;
+      finish_variable(i, nullptr);
+    }
   }
 
   /// The data path: the pipeline over every bucket, then the last collective (the lowest rank
@@ -395,18 +467,27 @@ struct data_path {
     const double* weights = opts.compute.weights.empty() ? nullptr : opts.compute.weights.data();
     fused = weights != nullptr || opts.compute.scale != 1.0 || detect();
     params = {weights, opts.compute.scale, static_cast<Buf>(opts.compute.scale), detect(), false};
-    walk_variable = 0;
     nonfinite_variables = 0;
     gradavg::detail::flat_statistics<Acc> stats(range_begin, range_end);
     const std::exception_ptr failure = pipeline<Acc>(stats);
-    std::uint64_t failed_rank = static_cast<std::uint64_t>(failure ? rank : ranks);
-    wire.min_words(&failed_rank, 1);
+    // The last collective (in place minimum): the lowest rank whose kernel failed, and with
+    // sharded output and detection, the complements of the variables' non-finite flags (a bit
+    // each: their minimum is the complement of every rank's flags together).
+    std::uint64_t* outcome = work.outcome.data();
+    const std::size_t flag_words = work.outcome.size() - 1;
+    outcome[0] = static_cast<std::uint64_t>(failure ? rank : ranks);
+    std::fill(outcome + 1, outcome + 1 + flag_words, ~std::uint64_t{0});
+    for (std::size_t i = 0; i < variables && flag_words != 0; ++i)
+      if (work.nonfinite[i] != 0) outcome[1 + i / 64] &= ~(std::uint64_t{1} << (i % 64));
+    wire.min_words(outcome, work.outcome.size());
+    const std::uint64_t failed_rank = outcome[0];
     wire.rethrow_noted();
     if (failure) std::rethrow_exception(failure);
     if (failed_rank < static_cast<std::uint64_t>(ranks))
       throw remote_error(std::string(Transport::caller) + ": rank " + std::to_string(failed_rank) +
                          " failed while averaging (an exception from user code there, after validation: see the "
                          "error thrown there); the outputs of this call are partly written on every rank");
+    if (sharded()) finish_shard(outcome + 1, flag_words);
     result.nonfinite_variables = nonfinite_variables;
     if (opts.compute.statistics) {
       result.sum_mean_squared = stats.everything().sum_mean_squared;

@@ -11,8 +11,10 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "codec.hpp"
+#include "../../options.hpp"
 #include "../isa.hpp"
 
 namespace gradavg {
@@ -81,6 +83,39 @@ concept transport = requires(T& t, const T& c, std::uint64_t* words, const std::
   t.rethrow_noted();
 };
 
+/// The first variable whose elements end after flat element `begin`, from a table of each
+/// variable's element count and first flat element (sizes[2 i], sizes[2 i + 1]; flat order).
+inline std::size_t first_variable_after(const std::uint64_t* sizes, std::size_t variables, std::size_t begin) noexcept {
+  std::size_t lo = 0, hi = variables;
+  while (lo < hi) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    if (sizes[2 * mid + 1] + sizes[2 * mid] <= begin) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+/// Sharded buckets (output_mode::sharded, the gather of shards): bucket b holds, for every rank
+/// r, the b-th run of `run` elements of r's shard of `range` (shard_of), empty past its end.
+inline element_range shard_run(element_range range, int ranks, int r, std::size_t b, std::size_t run) noexcept {
+  const element_range shard = shard_of(range, ranks, r);
+  const std::size_t begin = std::min(shard.begin + b * run, shard.end);
+  return {begin, std::min(shard.end, begin + run)};
+}
+
+/// Fusion bytes for a call over `wire` that asked for `asked` (0: the transport's automatic size,
+/// grown by the format's ratio so that the encoded bucket, what the messages carry, keeps that
+/// size). Buf: the bucket's element type.
+template <class Buf, transport Transport>
+std::size_t fusion_bytes_for(const Transport& wire, std::size_t asked, compression c) noexcept {
+  if (asked != 0) return asked;
+  const std::size_t base = wire.automatic_fusion_bytes();
+  const codec<Buf> format{c};
+  if (!format.encodes()) return base;
+  return static_cast<std::size_t>(static_cast<double>(base) * static_cast<double>(sizeof(Buf) * block_values) /
+                                  static_cast<double>(format.block_bytes()));
+}
+
 /// One bucket's buffers in flight: the fusion buffer (this rank's contributions, then the sums of
 /// every rank's), the exchange's room (the others' contributions to this rank's slice; encoded:
 /// the bucket's encoding, then those), and the transport's set.
@@ -145,6 +180,97 @@ struct owner_sum {
       reduce_blocks(parts, l, b);
       return;
     }
+    sum_slice(l, b);
+    wire.gather(b.set, reinterpret_cast<std::byte*>(b.local), l);
+  }
+
+  /// Waits for every slice's sums; decodes them into the bucket's buffer when encoded.
+  void finish(const bucket_parts& parts, bucket_buffers<Buf>& b) {
+    wire.wait(b.set);
+    if (!format.encodes()) return;
+    const slice_layout l = layout(parts);
+    const std::byte* encoded = reinterpret_cast<const std::byte*>(b.recv);
+    for (std::size_t k = 0; k < l.len; ++k) format.decode_into(encoded + k * l.element, parts.place(k), b.local);
+  }
+  void progress(bucket_buffers<Buf>& b) { wire.test(b.set); }
+
+  // ---- Sharded output (output_mode::sharded): a bucket is one slot per rank, slot r of slot_len
+  // buffer elements holding the run of rank r's shard that parts_of(r) describes (its parts from
+  // the slot's start, zeros behind them); each owner keeps the sum of its own slot, in Buf,
+  // and nothing is gathered. ----
+
+  /// Blocks of an encoded slot: every slot alike, so that the owners' slices are equal.
+  [[nodiscard]] static std::size_t slot_blocks(std::size_t slot_len) noexcept {
+    return bucket_parts::max_blocks(slot_len);
+  }
+  [[nodiscard]] slice_layout slot_layout(std::size_t slot_len) const noexcept {
+    const auto p = static_cast<std::size_t>(wire.ranks());
+    if (format.encodes()) return {p * slot_blocks(slot_len), format.block_bytes(), wire.ranks()};
+    return {p * slot_len, sizeof(Buf), wire.ranks()};
+  }
+  /// The Buf elements a sharded bucket needs beside its slots (bucket_buffers::recv): the others'
+  /// contributions to this rank's slot, and when encoded the bucket's encoding before them.
+  [[nodiscard]] std::size_t slot_room(std::size_t slot_len) const noexcept {
+    const slice_layout l = slot_layout(slot_len);
+    const std::size_t others = static_cast<std::size_t>(wire.ranks() - 1) * l.bytes(0);
+    const std::size_t bytes = (format.encodes() ? l.at(wire.ranks()) : 0) + others;
+    return (bytes + sizeof(Buf) - 1) / sizeof(Buf);
+  }
+
+  /// Every other rank's slot leaves for its owner (encoded slot by slot, with error feedback on
+  /// every slot); theirs of this rank's slot arrive.
+  template <class PartsOf>
+  void start_slots(const PartsOf& parts_of, std::size_t slot_len, bucket_buffers<Buf>& b) {
+    const slice_layout l = slot_layout(slot_len);
+    if (!format.encodes()) {
+      wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
+      return;
+    }
+    std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
+    for (int r = 0; r < wire.ranks(); ++r) {
+      const bucket_parts parts = parts_of(r);
+      std::byte* slot = encoded + l.at(r);
+      const std::size_t used = parts.blocks();
+      for (std::size_t k = 0; k < used; ++k)
+        encode_contribution(parts, k, b.local + static_cast<std::size_t>(r) * slot_len, slot + k * l.element);
+      std::memset(slot + used * l.element, 0, l.bytes(r) - used * l.element);  // sent, never read
+    }
+    wire.scatter(b.set, encoded, encoded + l.at(wire.ranks()), l);
+  }
+
+  /// Waits for the contributions to this rank's slot (parts: its parts) and sums them in rank
+  /// order into the slot, in Buf (decoded first when encoded; the sum is not encoded again).
+  void reduce_slot(const bucket_parts& parts, std::size_t slot_len, bucket_buffers<Buf>& b) {
+    wire.wait(b.set);
+    const slice_layout l = slot_layout(slot_len);
+    if (!format.encodes()) {
+      sum_slice(l, b);
+      return;
+    }
+    const int rank = wire.rank(), ranks = wire.ranks();
+    const std::byte* encoded = reinterpret_cast<const std::byte*>(b.recv);
+    const std::byte* received = encoded + l.at(ranks);
+    Buf* out = b.local + static_cast<std::size_t>(rank) * slot_len;
+    for (std::size_t k = 0; k < parts.blocks(); ++k) {
+      auto block_of = [&](int r) {
+        return r == rank ? encoded + l.at(rank) + k * l.element : received + l.received_at(r, rank) + k * l.element;
+      };
+      const bucket_parts::block_place place = parts.place(k);
+      float x[block_values];
+      format.decode(block_of(0), x);
+      Buf* o = out + place.at;
+      for (std::size_t j = 0; j < place.count; ++j) o[j] = static_cast<Buf>(x[j]);
+      for (int r = 1; r < ranks; ++r) {
+        format.decode(block_of(r), x);
+        for (std::size_t j = 0; j < place.count; ++j) o[j] += static_cast<Buf>(x[j]);
+      }
+    }
+  }
+
+ private:
+  /// Sums the contributions to this rank's slice of l (received: b.recv, l.received_at) in rank
+  /// order into the slice in b.local, where its own contribution is.
+  void sum_slice(const slice_layout& l, bucket_buffers<Buf>& b) {
     const int rank = wire.rank(), ranks = wire.ranks();
     const std::size_t mine = l.first(rank + 1) - l.first(rank);
     Buf* out = b.local + l.first(rank);
@@ -164,20 +290,8 @@ struct owner_sum {
         for (std::size_t j = 0; j < n; ++j) o[j] += in[j];
       }
     }
-    wire.gather(b.set, reinterpret_cast<std::byte*>(b.local), l);
   }
 
-  /// Waits for every slice's sums; decodes them into the bucket's buffer when encoded.
-  void finish(const bucket_parts& parts, bucket_buffers<Buf>& b) {
-    wire.wait(b.set);
-    if (!format.encodes()) return;
-    const slice_layout l = layout(parts);
-    const std::byte* encoded = reinterpret_cast<const std::byte*>(b.recv);
-    for (std::size_t k = 0; k < l.len; ++k) format.decode_into(encoded + k * l.element, parts.place(k), b.local);
-  }
-  void progress(bucket_buffers<Buf>& b) { wire.test(b.set); }
-
- private:
   /// The residual of the sums in block `place` (null: no error feedback, or not a sums block).
   float* residual_of(const bucket_parts& parts, const bucket_parts::block_place& place) const noexcept {
     return state.residual != nullptr && place.part == 0 ? state.residual + parts.first + place.in_part : nullptr;

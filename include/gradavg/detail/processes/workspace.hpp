@@ -17,6 +17,7 @@ struct process_buffers {
   std::vector<const void*> towers;         // per variable and tower: the first gradient element
   std::vector<void*> outputs;              // per variable: its means and squares outputs
   std::vector<unsigned char> nonfinite;    // per variable: a non-finite input on some rank
+  std::vector<std::uint64_t> outcome;      // the last collective's words (output_mode::sharded)
 };
 
 }  // namespace gradavg::shared_detail
