@@ -58,6 +58,14 @@ enum class exchange_method : unsigned char {
   point_to_point,
 };
 
+/// Error feedback kept by an object that averages step after step: libtorch::mpi_data_parallel
+/// keeps a residual per bucket (options.exchange.residual's meaning) with kept. The direct calls
+/// take options.exchange.residual instead (kept there: option_error).
+enum class error_feedback : unsigned char {
+  off,   ///< none (the default)
+  kept,  ///< the residuals held by the averaging object, reset by its reset_feedback()
+};
+
 class workspace;
 
 namespace shared_detail {
@@ -115,6 +123,8 @@ struct exchange_options {
   /// The stochastic rounding's seed (compression::int8): the same seed, ranks and buffers give
   /// the same bits; pass the step number for a new rounding each step.
   std::uint64_t seed = 0;
+  /// Error feedback kept by libtorch::mpi_data_parallel (error_feedback); off for a direct call.
+  error_feedback feedback = error_feedback::off;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };

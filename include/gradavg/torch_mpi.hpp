@@ -8,10 +8,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <ranges>
 #include <span>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "mpi.hpp"
@@ -219,12 +221,22 @@ module_report average_module_gradients(MPI_Comm comm, const R& replicas, const g
 /// be initialised with MPI_THREAD_SERIALIZED or more (option_error otherwise), and this rank's
 /// other threads must not call MPI on comm between the step's first backward and finish()'s
 /// return. Destroy it after finish(), on every rank.
+///
+/// Error feedback (opts.exchange.feedback = error_feedback::kept, with a lossy
+/// opts.exchange.compression; otherwise every averaging call is an option_error): the object keeps a residual per averaging
+/// call of a step (each bucket's, and finish()'s of the parameters no bucket held), 4 bytes per
+/// averaged gradient element, allocated at a call's first step; each call adds it into this
+/// rank's contribution and keeps what the encoding dropped (options.exchange.residual's
+/// meaning), and draws int8's rounding from opts.exchange.seed plus its step count, so that runs
+/// repeat bit for bit. reset_feedback() (between finish() and the next backward, on every rank)
+/// zeroes the residuals and restarts the step counts: on a loss-scale change, on restart.
+/// opts.exchange.residual must be empty (the object holds them).
 class mpi_data_parallel final : public data_parallel {
  public:
   mpi_data_parallel(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
                     const gradavg::mpi::options& opts = {}, const module_options& mopts = {},
                     const bucket_options& buckets = {})
-      : data_parallel(replicas, opts.local(), mopts, buckets, over(comm, replicas, opts, mopts), agreement_on(comm)) {}
+      : mpi_data_parallel(comm, replicas, opts, mopts, buckets, feedback_of(opts)) {}
 
   /// Any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder.
   template <replica_range R>
@@ -233,19 +245,89 @@ class mpi_data_parallel final : public data_parallel {
       : mpi_data_parallel(comm, std::span<::torch::nn::Module* const>(detail::modules_of(replicas)), opts, mopts,
                           buckets) {}
 
+  /// Zeroes every residual and restarts the rounding's step counts (error_feedback::kept; nothing
+  /// otherwise). Between finish() and the next backward, on every rank.
+  void reset_feedback() noexcept {
+    if (!feedback_) return;
+    for (auto& [key, r] : feedback_->residuals) {
+      std::fill(r.values.begin(), r.values.end(), 0.0f);
+      r.steps = 0;
+    }
+  }
+
  private:
+  /// error_feedback::kept's state, shared with the averaging calls: per call of a step (keyed by
+  /// the parameters it averages), its residual and its step count.
+  struct residual {
+    std::vector<float> values;
+    std::uint64_t steps = 0;
+  };
+  struct feedback_state {
+    std::exception_ptr refused;  // kept with options it needs otherwise: every call's error
+    std::vector<std::pair<std::uint64_t, residual>> residuals;
+    residual& of(std::uint64_t key) {
+      for (auto& [k, r] : residuals)
+        if (k == key) return r;
+      return residuals.emplace_back(key, residual{}).second;
+    }
+  };
+  std::shared_ptr<feedback_state> feedback_;
+
+  /// The state error_feedback::kept needs, or null. Kept without a lossy format or with a
+  /// residual of the caller's: an option_error that every averaging call passes to its first
+  /// collective (so that every rank throws, whatever the others passed).
+  static std::shared_ptr<feedback_state> feedback_of(const gradavg::mpi::options& opts) {
+    if (opts.exchange.feedback == gradavg::mpi::error_feedback::off) return nullptr;
+    auto state = std::make_shared<feedback_state>();
+    if (opts.exchange.compression == compression::none || !opts.exchange.residual.empty())
+      state->refused = std::make_exception_ptr(option_error(
+          "gradavg::libtorch::mpi_data_parallel: options.exchange.feedback is kept, which needs a lossy "
+          "options.exchange.compression and an empty options.exchange.residual (the object holds the residuals)"));
+    return state;
+  }
+
+  mpi_data_parallel(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas, const gradavg::mpi::options& opts,
+                    const module_options& mopts, const bucket_options& buckets,
+                    std::shared_ptr<feedback_state> feedback)
+      : data_parallel(replicas, opts.local(), mopts, buckets, over(comm, replicas, opts, mopts, feedback),
+                      agreement_on(comm)),
+        feedback_(std::move(feedback)) {}
+
   static masked_call over(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
-                          const gradavg::mpi::options& opts, const module_options& mopts) {
-    return [comm, modules = std::vector<::torch::nn::Module*>(replicas.begin(), replicas.end()), opts,
-            mopts](const std::vector<std::uint64_t>& masked,
-                   const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params) {
+                          const gradavg::mpi::options& opts, const module_options& mopts,
+                          std::shared_ptr<feedback_state> feedback) {
+    return [comm, modules = std::vector<::torch::nn::Module*>(replicas.begin(), replicas.end()), opts, mopts,
+            feedback](const std::vector<std::uint64_t>& masked,
+                      const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params) {
+      std::uint64_t call_in_step = 0;  // several calls for parameters of several dtypes
       return detail::average_replicas(
           std::span<::torch::nn::Module* const>(modules), opts.local(), mopts,
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
           [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
               std::span<variable_statistics>) {
-            return gradavg::mpi::detail::average_into(comm, tg, means, gradavg::detail::no_squares,
-                                                          opts, prior);
+            if (!feedback)
+              return gradavg::mpi::detail::average_into(comm, tg, means, gradavg::detail::no_squares, opts, prior);
+            // This call's residual: keyed by its parameters (the bucket's mask) and its place in
+            // the step, sized by the elements it averages (tower 0's present gradients).
+            gradavg::mpi::options call = opts;
+            call.exchange.feedback = gradavg::mpi::error_feedback::off;
+            if (!prior) prior = feedback->refused;
+            if (!prior && !tg.empty()) {
+              try {
+                std::uint64_t key = 0xcbf29ce484222325ull ^ call_in_step++;
+                for (const std::uint64_t w : masked) key = (key ^ w) * 0x100000001b3ull;
+                std::size_t elements = 0;
+                for (const auto& entry : tg[0])
+                  elements += entry.first.defined() ? static_cast<std::size_t>(entry.first.numel()) : 0;
+                residual& r = feedback->of(key);
+                if (r.values.size() != elements) r.values.assign(elements, 0.0f);
+                call.exchange.residual = r.values;
+                call.exchange.seed = opts.exchange.seed + r.steps++;
+              } catch (...) {
+                prior = std::current_exception();  // an allocation: every rank throws
+              }
+            }
+            return gradavg::mpi::detail::average_into(comm, tg, means, gradavg::detail::no_squares, call, prior);
           },
           &masked, &params);
     };

@@ -9,6 +9,7 @@
 #include <mpi.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -177,6 +178,84 @@ TEST_CASE("mpi_data_parallel, means_to first_replica and statistics: one optimiz
         CHECK(bitwise_equal(t.overlapped[k]->parameters()[i], t.one_shot[k]->parameters()[i]));
       }
   }
+}
+
+TEST_CASE("mpi_data_parallel, int8 with error feedback kept: ranks alike, the means of many steps converge to the "
+          "exact ones, reset_feedback restarts") {
+  // The same batch every step: each step's int8 means are off by a rounding; with the residuals
+  // kept, what one step drops the next sends, so the mean over K steps approaches the exact
+  // means (the fp32 exchange's) K times closer than one step does.
+  at::set_num_threads(1);
+  twin_replicas t(29);
+  REQUIRE(!t.backward(t.one_shot, 0));
+  (void)gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);  // the exact means
+  std::vector<at::Tensor> exact;
+  for (const auto& p : t.one_shot[0]->parameters()) exact.push_back(p.grad().to(at::kDouble));
+  gradavg::mpi::options opts;
+  opts.exchange.compression = gradavg::compression::int8;
+  opts.exchange.feedback = gradavg::mpi::error_feedback::kept;
+  opts.exchange.seed = 5;
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  const int steps = 32;
+  std::vector<at::Tensor> sum;
+  double first_error = 0;
+  std::uint64_t first_hash = 0;
+  for (int step = 0; step < steps; ++step) {
+    t.zero_grad(false);
+    REQUIRE(!t.backward(t.overlapped, 0));
+    dp.finish();
+    const auto params = t.overlapped[0]->parameters();
+    CHECK(same_on_every_rank(gradient_hash(t.overlapped[0])));
+    if (step == 0) first_hash = gradient_hash(t.overlapped[0]);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor g = params[i].grad().to(at::kDouble);
+      if (step == 0) {
+        sum.push_back(g.clone());
+        first_error = std::max(first_error, (g - exact[i]).abs().max().item<double>());
+      } else {
+        sum[i] += g;
+      }
+    }
+  }
+  double error = 0;
+  for (std::size_t i = 0; i < sum.size(); ++i) error = std::max(error, (sum[i] / steps - exact[i]).abs().max().item<double>());
+  INFO("one step: " << first_error << ", the mean of " << steps << " steps: " << error);
+  CHECK(first_error > 0);
+  CHECK(error < first_error / 4);
+  // Reset: zero residuals, the seeds from the start: the first step's bits again.
+  dp.reset_feedback();
+  t.zero_grad(false);
+  REQUIRE(!t.backward(t.overlapped, 0));
+  dp.finish();
+  CHECK(gradient_hash(t.overlapped[0]) == first_hash);
+}
+
+TEST_CASE("mpi_data_parallel: error feedback kept without a lossy format is an option_error on every rank, no hang") {
+  at::set_num_threads(1);
+  twin_replicas t(31);
+  gradavg::mpi::options opts;
+  opts.exchange.feedback = gradavg::mpi::error_feedback::kept;  // compression none
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  REQUIRE(!t.backward(t.overlapped, 0));
+  const std::string m = gradavg_test::message_of<gradavg::option_error>([&] { dp.finish(); });
+  CHECK(gradavg_test::contains(m, "options.exchange.feedback is kept"));
+  // A direct call takes its residual in options.exchange.residual: kept there is refused too.
+  opts.exchange.compression = gradavg::compression::int8;
+  REQUIRE(!t.backward(t.one_shot, 0));
+  const std::string direct = gradavg_test::message_of<gradavg::option_error>(
+      [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts); });
+  CHECK(gradavg_test::contains(direct, "only libtorch::mpi_data_parallel keeps residuals"));
+  // The one-shot call over parameters of one dtype is one call: it takes a residual of the caller's.
+  std::size_t elements = 0;
+  for (const auto& p : t.one_shot[0]->parameters()) elements += static_cast<std::size_t>(p.numel());
+  std::vector<float> residual(elements, 0.0f);
+  opts.exchange.feedback = gradavg::mpi::error_feedback::off;
+  opts.exchange.residual = residual;
+  t.zero_grad(false);
+  REQUIRE(!t.backward(t.one_shot, 1));
+  CHECK(gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts).report.averaged == 12);
+  CHECK(std::any_of(residual.begin(), residual.end(), [](float r) { return r != 0.0f; }));
+  CHECK(same_on_every_rank(gradient_hash(t.one_shot[0])));
 }
 
 TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the one-shot call says on every rank") {
