@@ -31,36 +31,8 @@ using gradavg::output_mode;
 /// begin.
 template <class S>
 std::vector<towers_of<S>> one_tower_per_rank(int ranks) {
-  std::vector<towers_of<S>> all(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r) {
-    auto& tower = all[static_cast<std::size_t>(r)].emplace_back();
-    for (std::size_t i = 0; i < sizes.size(); ++i) {
-      const S* values = random_slice<S>(sizes[i], static_cast<std::uint32_t>(9100 + 100 * r + i));
-      vector_of<S> v = Eigen::Map<const vector_of<S>>(values, static_cast<Eigen::Index>(sizes[i]));
-      for (Eigen::Index j = 0; j < v.size(); ++j) v[j] = std::ldexp(v[j], static_cast<int>((j / 50) % 9) * 3 - 12);
-      tower.emplace_back(v, "w" + std::to_string(i));
-    }
-  }
-  return all;
-}
-
-template <class S>
-std::vector<S> flat(const std::vector<vector_of<S>>& variables) {
-  std::vector<S> out;
-  for (const auto& v : variables) out.insert(out.end(), v.data(), v.data() + v.size());
-  return out;
-}
-
-/// Each rank's values in flat order.
-template <class S>
-std::vector<std::vector<S>> flat_values(const std::vector<towers_of<S>>& towers) {
-  std::vector<std::vector<S>> values;
-  for (const auto& rank : towers) {
-    std::vector<vector_of<S>> v;
-    for (const auto& pair : rank[0]) v.push_back(pair.first);
-    values.push_back(flat(v));
-  }
-  return values;
+  return gradavg_test::one_tower_per_rank<S>(
+      ranks, 9100, [](Eigen::Index j, S x) { return std::ldexp(x, static_cast<int>((j / 50) % 9) * 3 - 12); });
 }
 
 std::size_t total_elements() {

@@ -179,6 +179,43 @@ std::vector<vector_of<S>> sentinel_outputs() {
   return out;
 }
 
+/// One tower per rank, of the variables of `sizes`: random values (seeded by `seed`, the rank and
+/// the variable), each element x at index j of its variable made value(j, x).
+template <class S, class Value>
+std::vector<towers_of<S>> one_tower_per_rank(int ranks, std::uint32_t seed, const Value& value) {
+  std::vector<towers_of<S>> all(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r) {
+    auto& tower = all[static_cast<std::size_t>(r)].emplace_back();
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      const S* values = random_slice<S>(sizes[i], seed + static_cast<std::uint32_t>(100 * r + i));
+      vector_of<S> v(static_cast<Eigen::Index>(sizes[i]));
+      for (Eigen::Index j = 0; j < v.size(); ++j) v[j] = value(j, values[j]);
+      tower.emplace_back(std::move(v), "w" + std::to_string(i));
+    }
+  }
+  return all;
+}
+
+/// The variables' values end to end.
+template <class S>
+std::vector<S> flat(const std::vector<vector_of<S>>& variables) {
+  std::vector<S> out;
+  for (const auto& v : variables) out.insert(out.end(), v.data(), v.data() + v.size());
+  return out;
+}
+
+/// Each rank's values (its one tower's variables) in flat order.
+template <class S>
+std::vector<std::vector<S>> flat_values(const std::vector<towers_of<S>>& towers) {
+  std::vector<std::vector<S>> values;
+  for (const auto& rank : towers) {
+    std::vector<vector_of<S>> v;
+    for (const auto& pair : rank[0]) v.push_back(pair.first);
+    values.push_back(flat(v));
+  }
+  return values;
+}
+
 /// The message of rank r's exception of type E (fails the test on another outcome).
 template <class E, class S>
 std::string failure_of(const rank_result<S>& r) {
