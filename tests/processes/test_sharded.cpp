@@ -156,6 +156,42 @@ TEST_CASE("sharded output: with no lossy format, the shard holds the replicated 
   }
 }
 
+TEST_CASE("sharded output: fewer elements than ranks, the empty shards write nothing") {
+  const auto towers = one_tower_per_rank<float>(4);
+  const auto values = flat_values(towers);
+  for (compression format : {compression::none, compression::int8}) {
+    const auto results = average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int) {
+      thread_options o;
+      o.exchange.output = output_mode::sharded;
+      o.exchange.compression = format;
+      o.compute.range = {5, 8};  // w1's elements 4, 5, 6: shards [5, 5), [5, 6), [6, 7), [7, 8)
+      o.compute.on_nonfinite = gradavg::nonfinite_policy::report;
+      return o;
+    });
+    for (std::size_t r = 0; r < 4; ++r) {
+      INFO("format " << static_cast<int>(format) << ", rank " << r);
+      REQUIRE_FALSE(results[r].failure);
+      const auto shard = results[r].report.shard;
+      CHECK(shard.begin == 5 + 3 * r / 4);
+      CHECK(shard.end == 5 + 3 * (r + 1) / 4);
+      const auto got = flat(results[r].means);
+      for (std::size_t j = 0; j < got.size(); ++j) {
+        if (j < shard.begin || j >= shard.end) {
+          CHECK(got[j] == sentinel<float>);
+          continue;
+        }
+        double exact = 0, largest = 0;
+        for (const auto& v : values) {
+          exact += double(v[j]);
+          largest = std::max(largest, std::fabs(double(v[j])));
+        }
+        // int8: each contribution a block of one value (its own scale): exact but for float's rounding.
+        CHECK(std::fabs(double(got[j]) - exact / 4) <= 1e-6 * largest);
+      }
+    }
+  }
+}
+
 TEST_CASE("sharded output: a non-finite input in one rank's shard is reported, and zeroed, on every rank") {
   for (compression format : {compression::none, compression::bfloat16, compression::int8}) {
     INFO("format " << static_cast<int>(format));
