@@ -4,7 +4,8 @@
 // how the ranks' contributions are summed. owner_sum is today's strategy: every rank owns a
 // contiguous slice of each bucket, sums the others' contributions to it in rank order and sends
 // the sum back to every rank (the same bits on every rank, whatever the transport), as the
-// accumulator's bits or in a wire format (codec.hpp).
+// accumulator's bits or in a wire format (codec.hpp); with sharded output the slices are runs of
+// the ranks' shards, and the owners keep their sums.
 #pragma once
 
 #include <algorithm>
