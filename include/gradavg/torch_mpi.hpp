@@ -223,12 +223,12 @@ module_report average_module_gradients(MPI_Comm comm, const R& replicas, const g
 /// return. Destroy it after finish(), on every rank.
 ///
 /// Error feedback (opts.exchange.feedback = error_feedback::kept, with a lossy
-/// opts.exchange.compression; otherwise every averaging call is an option_error): the object keeps a residual per averaging
-/// call of a step (each bucket's, and finish()'s of the parameters no bucket held), 4 bytes per
-/// averaged gradient element, allocated at a call's first step; each call adds it into this
-/// rank's contribution and keeps what the encoding dropped (options.exchange.residual's
-/// meaning), and draws int8's rounding from opts.exchange.seed plus its step count, so that runs
-/// repeat bit for bit. reset_feedback() (between finish() and the next backward, on every rank)
+/// opts.exchange.compression; otherwise every averaging call is an option_error): the object
+/// keeps a residual per averaging call of a step (each bucket's, and finish()'s of the parameters
+/// no bucket held), 4 bytes per averaged gradient element, allocated at a call's first step; each
+/// call adds it into this rank's contribution and keeps what the encoding dropped
+/// (options.exchange.residual's meaning), and draws int8's rounding from opts.exchange.seed plus
+/// its step count, so that runs repeat bit for bit. reset_feedback() (between finish() and the next backward, on every rank)
 /// zeroes the residuals and restarts the step counts: on a loss-scale change, on restart.
 /// opts.exchange.residual must be empty (the object holds them).
 class mpi_data_parallel final : public data_parallel {
