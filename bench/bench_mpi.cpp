@@ -26,7 +26,8 @@
 //                  means: a reduce-scatter), with a plan; gather_shards, gather_shards/bf16: the
 //                  gather of every rank's shard of the means afterwards (raw, and in bfloat16);
 //                  gradavg/auto/sharded+gather: the two back to back, whose result is the
-//                  replicated means (hashed against gradavg/auto's); only with --sharded 1
+//                  replicated means (hashed against gradavg/auto's); only with --sharded 1; with
+//                  --point-to-point 1 also gradavg/auto/sharded/point_to_point/plan
 // A method's time in a round is the slowest rank's (MPI_MAX, after a barrier); a point is the
 // median over --rounds rounds, after one warm-up round; each round starts one method later.
 // Every gradavg result (every fusion size, every round) is hashed and compared across ranks and
@@ -422,15 +423,21 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
   // Sharded output and the gather of shards (the means as the parameters: the same element count).
   gradavg::mpi::workspace sharded_work, gather_work;
   gradavg::plan sharded_plan;
-  auto sharded_call = [&] {
+  gradavg::mpi::workspace sharded_p2p_work;
+  gradavg::plan sharded_p2p_plan;
+  auto sharded_with = [&](gradavg::mpi::exchange_method how) {
+    const bool p2p = how == gradavg::mpi::exchange_method::point_to_point;
     gradavg::mpi::options opts;
-    opts.exchange.work = &sharded_work;
+    opts.exchange.work = p2p ? &sharded_p2p_work : &sharded_work;
     opts.exchange.output = gradavg::output_mode::sharded;
+    opts.exchange.method = how;
     opts.run.threads = cfg.threads;
+    auto& pl = p2p ? sharded_p2p_plan : sharded_plan;
     if (with_squares)
-      gradavg::mpi::average_gradients_into(sharded_plan, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
-    else gradavg::mpi::average_gradients_into(sharded_plan, MPI_COMM_WORLD, p.entries, p.means, opts);
+      gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, p.squares, opts);
+    else gradavg::mpi::average_gradients_into(pl, MPI_COMM_WORLD, p.entries, p.means, opts);
   };
+  auto sharded_call = [&] { sharded_with(gradavg::mpi::exchange_method::collectives); };
   auto gather_call = [&](gradavg::compression format) {
     gradavg::mpi::options opts;
     opts.exchange.work = &gather_work;
@@ -441,6 +448,9 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
     const double half = static_cast<double>(ranks - 1) / ranks;
     const auto none = static_cast<int>(gradavg::compression::none);
     methods.push_back({"gradavg/auto/sharded/plan", sharded_call, -1, none, half});
+    if (cfg.point_to_point)
+      methods.push_back({"gradavg/auto/sharded/point_to_point/plan",
+                         [&] { sharded_with(gradavg::mpi::exchange_method::point_to_point); }, -1, none, half});
     methods.push_back({"gather_shards", [&] { gather_call(gradavg::compression::none); }, -1, none,
                        half / (with_squares ? 2 : 1)});
     methods.push_back({"gather_shards/bf16", [&] { gather_call(gradavg::compression::bfloat16); }, -1,
