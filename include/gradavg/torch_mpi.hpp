@@ -175,6 +175,19 @@ void broadcast_parameters(MPI_Comm comm, const R& replicas, int root = 0) {
 /// every replica of every rank first (detail::agree_presence): a parameter with a gradient on
 /// some replica of some rank is averaged with zeros for every replica of every rank that lacks
 /// one, listed in zero_filled on every rank; one without a gradient anywhere is skipped.
+namespace detail {
+
+/// The module helpers deliver every mean to the replicas: output_mode::sharded is refused, as a
+/// failure that takes part in the first collective (every rank throws, none waits).
+inline std::exception_ptr refuse_sharded(const gradavg::mpi::options& opts, std::exception_ptr prior) {
+  if (prior || opts.exchange.output == output_mode::replicated) return prior;
+  return std::make_exception_ptr(option_error(
+      "gradavg::libtorch: options.exchange.output is not replicated; the module helpers give every replica every "
+      "mean. For a shard per rank, call gradavg::mpi::average_gradients_into with output_mode::sharded"));
+}
+
+}  // namespace detail
+
 inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::nn::Module* const> replicas,
                                               const gradavg::mpi::options& opts = {},
                                               const module_options& mopts = {}) {
@@ -186,6 +199,7 @@ inline module_report average_module_gradients(MPI_Comm comm, std::span<::torch::
           std::span<variable_statistics> per_variable) {
         gradavg::mpi::options call = opts;
         call.compute.per_variable = per_variable;
+        prior = detail::refuse_sharded(opts, prior);
         // The outputs are of the gradients' dtypes: only those kernels are compiled.
         if (squares) return gradavg::mpi::detail::average_into<true>(comm, tg, means, squares, call, prior);
         return gradavg::mpi::detail::average_into<true>(comm, tg, means, gradavg::detail::no_squares,
@@ -305,6 +319,7 @@ class mpi_data_parallel final : public data_parallel {
           [&](detail::presence& seen, const module_options& m) { detail::agree_presence(comm, seen, m); },
           [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
               std::span<variable_statistics>) {
+            prior = detail::refuse_sharded(opts, prior);
             if (!feedback)
               return gradavg::mpi::detail::average_into(comm, tg, means, gradavg::detail::no_squares, opts, prior);
             // This call's residual: keyed by its parameters (the bucket's mask) and its place in

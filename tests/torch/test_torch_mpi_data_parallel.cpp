@@ -258,6 +258,24 @@ TEST_CASE("mpi_data_parallel: error feedback kept without a lossy format is an o
   CHECK(same_on_every_rank(gradient_hash(t.one_shot[0])));
 }
 
+TEST_CASE("the module helpers refuse sharded output: an option_error on every rank, no gradient changed") {
+  at::set_num_threads(1);
+  twin_replicas t(37);
+  gradavg::mpi::options opts;
+  opts.exchange.output = gradavg::output_mode::sharded;
+  REQUIRE(!t.backward(t.one_shot, 0));
+  const std::uint64_t before = gradient_hash(t.one_shot[0]);
+  const std::string m = gradavg_test::message_of<gradavg::option_error>(
+      [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts); });
+  CHECK(gradavg_test::contains(m, "options.exchange.output is not replicated"));
+  CHECK(gradient_hash(t.one_shot[0]) == before);
+  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  REQUIRE(!t.backward(t.overlapped, 0));
+  CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::option_error>([&] { dp.finish(); }),
+                               "options.exchange.output is not replicated"));
+  CHECK(same_on_every_rank(42));
+}
+
 TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the one-shot call says on every rank") {
   at::set_num_threads(1);
   const std::size_t no_aux = world_rank() == 1 ? 0 : ~std::size_t{0};
