@@ -169,7 +169,8 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, c
 /// rank's shard of `parameters` (shard_of over options.compute.range, clamped to the parameters'
 /// elements; summary::shard of the averaging call) sent to every other rank, so that every
 /// rank's parameters hold every shard's values. parameters: one writable float or double tensor
-/// per variable of the averaging call, in its order, with the element counts of its averaged
+/// (a torch::Tensor's dtype: float32 or float64, every one the same) per variable of the
+/// averaging call, in its order, with the element counts of its averaged
 /// variables (an absent slot, or 0 elements, for a skipped one); contiguous. Every rank passes
 /// the same counts, range, fusion_bytes, method and compression (else shape_error /
 /// option_error on every rank, nothing written). options.exchange.compression: the shards travel

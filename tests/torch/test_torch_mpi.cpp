@@ -192,6 +192,33 @@ TEST_CASE("module replicas across ranks: every replica of every rank holds the m
   CHECK(same_on_every_rank(hash_of(g0)));
 }
 
+TEST_CASE("sharded output of torch::Tensor gradients, then gather_shards of torch::Tensor parameters: the replicated "
+          "means on every rank") {
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    INFO("dtype " << dtype);
+    const towers_t all = all_towers({{3, 40}, {700}, {5}}, dtype, 2);
+    const towers_t local = local_towers(all);
+    auto replicated = outputs_like(local, dtype);
+    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, replicated);
+    auto sharded = outputs_like(local, dtype);
+    gradavg::mpi::options opts;
+    opts.exchange.output = gradavg::output_mode::sharded;
+    opts.exchange.fusion_bytes = 256;
+    const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, sharded, opts);
+    CHECK(s.shard.end - s.shard.begin == 825 * (world_rank() + 1) / world_size() - 825 * world_rank() / world_size());
+    gradavg::mpi::gather_shards(MPI_COMM_WORLD, sharded, opts);
+    CHECK(hash_of(sharded) == hash_of(replicated));
+    CHECK(same_on_every_rank(hash_of(sharded)));
+  }
+  // Parameters of two dtypes: element_type_error on that rank, remote_error elsewhere.
+  std::vector<at::Tensor> mixed = {at::zeros({4}, at::kFloat), at::zeros({4}, world_rank() == 0 ? at::kDouble : at::kFloat)};
+  auto gather = [&] { gradavg::mpi::gather_shards(MPI_COMM_WORLD, mixed); };
+  if (world_rank() == 0)
+    CHECK(contains(gradavg_test::message_of<gradavg::element_type_error>(gather), "every parameter holds one element type"));
+  else
+    CHECK(contains(gradavg_test::message_of<gradavg::remote_error>(gather), "rank 0 failed its own checks"));
+}
+
 TEST_CASE("another dtype on one rank: option_error on every rank naming it and what each side has, nothing written") {
   const towers_t all = all_towers({{4}, {5}}, at::kFloat, 5);
   // The odd rank is the last, then rank 0: with 3 ranks or more the others agree, and the message

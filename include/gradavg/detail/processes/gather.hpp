@@ -34,6 +34,7 @@ struct gather_call {
   Params& params;
   const options_type& opts;
   gradavg::shared_detail::process_buffers& work;
+  std::exception_ptr prior = nullptr;  // this rank's failure before the call (its element types)
   int rank = wire.rank(), ranks = wire.ranks();
   std::size_t variables = 0, total = 0;
   std::size_t range_begin = 0, range_end = 0;
@@ -226,9 +227,9 @@ struct gather_call {
   void operator()() {
     std::uint64_t header[fields] = {};
     fill_header(header);
-    std::exception_ptr own;
+    std::exception_ptr own = prior;
     try {
-      local_checks(header);
+      if (!own) local_checks(header);
     } catch (...) {
       own = std::current_exception();
     }
@@ -247,15 +248,60 @@ struct gather_call {
     wire.rethrow_noted();
   }
 };
-/// gather_shards over wire: the parameters' element type (float or double, static).
+/// The element type of run-time typed parameters: the present ones' (float32 or float64, every
+/// one the same; element_type_error otherwise). float32 when none is present.
+template <class Params>
+element_type parameters_element(const char* caller, Params& params) {
+  using P = output_tensor_t<Params&>;
+  element_type found = element_type::float32;
+  std::size_t first = error::npos;
+  for (std::size_t i = 0; i < std::ranges::size(params); ++i) {
+    auto&& s = at(params, i);
+    if (!slot_present(s)) continue;
+    const element_type e = tensor_traits<P>::element(slot_get(s));
+    if (e != element_type::float32 && e != element_type::float64)
+      throw element_type_error(std::string(caller) + "::gather_shards: parameter #" + std::to_string(i) + " holds " +
+                                   std::string(element_name(e)) + "; the gather takes float32 or float64 parameters",
+                               i);
+    if (first == error::npos) {
+      first = i;
+      found = e;
+    } else if (e != found) {
+      throw element_type_error(std::string(caller) + "::gather_shards: parameter #" + std::to_string(i) + " holds " +
+                                   std::string(element_name(e)) + " but parameter #" + std::to_string(first) + " " +
+                                   std::string(element_name(found)) + "; every parameter holds one element type",
+                               i);
+    }
+  }
+  return found;
+}
+
+/// gather_shards over wire: the parameters' element type (float or double; static, or the
+/// run-time one of the present parameters).
 template <transport Transport, class Params>
 void gather_shards(Transport& wire, gradavg::shared_detail::process_buffers& work, Params& params,
                    const typename Transport::options_type& opts) {
   using P = output_tensor_t<Params&>;
   static_assert(outputs_outlive_reads<Params&>, "gradavg: parameters yielded by value must be views");
-  static_assert(static_tensor<P> && (std::is_same_v<tensor_value_t<P>, float> || std::is_same_v<tensor_value_t<P>, double>),
-                "gradavg: gather_shards takes parameters of float or double elements (a tensor_traits value_type)");
-  gather_call<Transport, Params, tensor_value_t<P>>{wire, params, opts, work}();
+  if constexpr (static_tensor<P>) {
+    static_assert(std::is_same_v<tensor_value_t<P>, float> || std::is_same_v<tensor_value_t<P>, double>,
+                  "gradavg: gather_shards takes parameters of float or double elements (a tensor_traits value_type)");
+    gather_call<Transport, Params, tensor_value_t<P>>{wire, params, opts, work}();
+  } else {
+    // A rank whose element types cannot be read still takes part in the collectives (prior);
+    // ranks of other element types disagree in the headers (g_type).
+    element_type e = element_type::float32;
+    std::exception_ptr prior;
+    try {
+      e = parameters_element(Transport::caller, params);
+    } catch (...) {
+      prior = std::current_exception();
+    }
+    if (e == element_type::float64)
+      gather_call<Transport, Params, double>{wire, params, opts, work, prior}();
+    else
+      gather_call<Transport, Params, float>{wire, params, opts, work, prior}();
+  }
 }
 
 }  // namespace detail::processes
