@@ -198,7 +198,8 @@ TEST_CASE("sharded output: a non-finite input in one rank's shard is reported, a
     auto towers = one_tower_per_rank<float>(3);
     // w3 (4097 elements, flat 308..4404) crosses shards 0 and 1; its element 10 is in rank 0's.
     towers[2][0][3].first[10] = std::numeric_limits<float>::quiet_NaN();
-    std::vector<std::vector<gradavg::variable_statistics>> reports(3, std::vector<gradavg::variable_statistics>(sizes.size()));
+    std::vector<std::vector<gradavg::variable_statistics>> reports(
+        3, std::vector<gradavg::variable_statistics>(sizes.size()));
     const auto results = average_on_ranks<float>(towers, sentinel_outputs<float>(), [&](int r) {
       thread_options o;
       o.exchange.output = output_mode::sharded;
@@ -390,7 +391,8 @@ TEST_CASE("gather of shards: different parameter counts, a residual, or a differ
     std::vector<rank_result<float>> start(3);
     for (int r = 0; r < 3; ++r)
       for (std::size_t i = 0; i < sizes.size() - (r == 1 ? 1 : 0); ++i)
-        start[static_cast<std::size_t>(r)].means.push_back(vector_of<float>::Constant(static_cast<Eigen::Index>(sizes[i]), float(r)));
+        start[static_cast<std::size_t>(r)].means.push_back(
+            vector_of<float>::Constant(static_cast<Eigen::Index>(sizes[i]), float(r)));
     const auto results = run_ranks<float>(3, std::move(start), [&](int, auto& wire, auto& work, auto& mine) {
       gradavg::detail::processes::gather_shards(wire, work, mine.means, thread_options{});
       return gradavg::summary{};

@@ -73,7 +73,8 @@ struct gather_call {
     const std::size_t asked = opts.exchange.fusion_bytes;
     if (asked != 0 && (sizeof(T) * 2 > asked || asked > (std::size_t{1} << 30)))
       throw option_error(std::string(Transport::caller) + "::gather_shards: options.exchange.fusion_bytes is " +
-                         std::to_string(asked) + "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+                         std::to_string(asked) +
+                         "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
     work.words.resize(static_cast<std::size_t>(ranks) * fields + 2 * variables);
     work.outputs.resize(variables);
     std::uint64_t fingerprint = 0xcbf29ce484222325ull;
@@ -165,7 +166,9 @@ struct gather_call {
 
   /// The values of flat elements [begin, end) copied into `to`.
   void read_run(std::size_t begin, std::size_t end, T* to) const {
-    for_each_run(begin, end, [&](const T* from, std::size_t a, std::size_t e) { std::copy(from, from + (e - a), to + (a - begin)); });
+    for_each_run(begin, end, [&](const T* from, std::size_t a, std::size_t e) {
+      std::copy(from, from + (e - a), to + (a - begin));
+    });
   }
   /// `from` written into flat elements [begin, end), converted from F.
   template <class F>
