@@ -99,6 +99,7 @@ struct summary {
   /// The flat elements (element_range) whose means and squares this call wrote on this process:
   /// options.compute.range clamped to the averaged elements, or across processes with
   /// output_mode::sharded this rank's shard of it (shard_of), the elements its optimizer updates.
+  /// A libtorch module helper's report: its averaged parameters' elements end to end, {0, n}.
   element_range shard = {0, 0};
 
   /// Some input element was NaN or +-Inf: skip the step (and lower the loss scale).

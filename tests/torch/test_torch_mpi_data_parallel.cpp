@@ -107,6 +107,8 @@ void check_same_reports(const gradavg::libtorch::module_report& a, const gradavg
   CHECK(a.report.averaged == b.report.averaged);
   CHECK(a.report.skipped == b.report.skipped);
   CHECK(a.report.towers == b.report.towers);
+  CHECK(a.report.shard.begin == b.report.shard.begin);  // the averaged elements, end to end
+  CHECK(a.report.shard.end == b.report.shard.end);
   CHECK(a.skipped == b.skipped);
   CHECK(a.zero_filled == b.zero_filled);
 }

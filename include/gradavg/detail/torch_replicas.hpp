@@ -88,6 +88,9 @@ inline std::size_t receiving_replicas(const module_options& mopts, std::size_t k
 
 /// Adds the counts and the statistics' sums of a call over other parameters to `into`.
 inline void add_part(summary& into, const summary& part) noexcept {
+  // The parts' flat ranges end to end (each part averages its whole range: the helpers take no
+  // range or sharded output where they split a call).
+  into.shard.end += part.shard.end - part.shard.begin;
   into.averaged += part.averaged;
   into.skipped += part.skipped;
   into.nonfinite_variables += part.nonfinite_variables;
