@@ -3,6 +3,7 @@
 #pragma once
 
 #include <exception>
+#include <utility>
 
 #include "transport.hpp"
 #include "../isa.hpp"
@@ -17,31 +18,38 @@ namespace mpi {
 GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
+/// f(transport, buffers) after the communicator's checks: the MPI transport over comm, with the
+/// workspace opts.exchange.work or one of the call's own.
+template <class F>
+decltype(auto) over_mpi(MPI_Comm comm, const mpi::options& opts, F&& f) {
+  check_communicator(comm);
+  workspace own;
+  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
+  transport wire(comm, opts, work);
+  return std::forward<F>(f)(wire, work);
+}
+
 /// gradavg::mpi's calls: the communicator's checks, then the call across processes over MPI.
 /// SameElements: see processes::average_into.
 template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                      std::exception_ptr prior = nullptr, plan* planned = nullptr) {
-  check_communicator(comm);
   // A refusal before the first collective takes part in it (every rank throws).
   if (!prior && opts.exchange.feedback != error_feedback::off)
     prior = std::make_exception_ptr(option_error(
         "gradavg::mpi: options.exchange.feedback is kept: only libtorch::mpi_data_parallel keeps residuals (one per "
         "bucket); a direct call takes its residual in options.exchange.residual"));
-  workspace own;
-  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
-  transport wire(comm, opts, work);
-  return processes::average_into<SameElements>(wire, work, tg, means, squares, opts, prior, planned);
+  return over_mpi(comm, opts, [&](transport& wire, shared_detail::buffers& work) {
+    return processes::average_into<SameElements>(wire, work, tg, means, squares, opts, prior, planned);
+  });
 }
 
 /// gradavg::mpi::gather_shards: the communicator's checks, then the gather over MPI.
 template <class Params>
 void gather_shards(MPI_Comm comm, Params& params, const mpi::options& opts) {
-  check_communicator(comm);
-  workspace own;
-  shared_detail::buffers& work = shared_detail::access::of(opts.exchange.work ? *opts.exchange.work : own);
-  transport wire(comm, opts, work);
-  processes::gather_shards(wire, work, params, opts);
+  over_mpi(comm, opts, [&](transport& wire, shared_detail::buffers& work) {
+    processes::gather_shards(wire, work, params, opts);
+  });
 }
 
 }  // namespace detail

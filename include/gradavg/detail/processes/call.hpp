@@ -241,11 +241,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
       variables = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tg, 0));
       header[h_variables] = variables;
       work.words.resize(word_layout::size(static_cast<std::size_t>(ranks), variables));
-      const std::size_t fusion_bytes = opts.exchange.fusion_bytes;
-      if (fusion_bytes != 0 && (sizeof(Buf) * 2 > fusion_bytes || fusion_bytes > (std::size_t{1} << 30)))
-        throw option_error(std::string(Transport::caller) + ": options.exchange.fusion_bytes is " +
-                           std::to_string(fusion_bytes) +
-                           "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+      check_fusion_bytes(Transport::caller, "", opts.exchange.fusion_bytes, sizeof(Buf));
       gradavg::shared_detail::require_named(opts.exchange.compression, compression::int8,
                                             "options.exchange.compression");
       gradavg::shared_detail::require_named(opts.exchange.output, output_mode::sharded, "options.exchange.output");

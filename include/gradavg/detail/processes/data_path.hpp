@@ -127,9 +127,9 @@ struct data_path {
     std::size_t max_len = 0, room = 0;
     if (sharded()) {
       // Bucket b: the b-th run of slot_elements of every rank's shard, in slots of slot_len.
-      const std::size_t largest = (n + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
-      slot_elements = std::min(std::max<std::size_t>(1, bucket_elements / static_cast<std::size_t>(ranks)), largest);
-      buckets = (largest + slot_elements - 1) / slot_elements;
+      const shard_runs runs = shard_runs_of(n, ranks, bucket_elements);
+      slot_elements = runs.run;
+      buckets = runs.buckets;
       const std::size_t max_flags = detect() ? std::min(variables, slot_elements) + 1 : 0;
       slot_len = slot_elements * (squares_in_buffer() ? 2 : 1) + max_flags;
       max_len = static_cast<std::size_t>(ranks) * slot_len;

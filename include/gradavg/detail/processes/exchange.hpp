@@ -13,8 +13,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #include "codec.hpp"
+#include "../../errors.hpp"
 #include "../../options.hpp"
 #include "../isa.hpp"
 
@@ -102,6 +104,30 @@ inline element_range shard_run(element_range range, int ranks, int r, std::size_
   const element_range shard = shard_of(range, ranks, r);
   const std::size_t begin = std::min(shard.begin + b * run, shard.end);
   return {begin, std::min(shard.end, begin + run)};
+}
+
+/// The runs of sharded buckets over n elements among `ranks` ranks, buckets of bucket_elements:
+/// each rank's run is bucket_elements / ranks (at least 1, at most the largest shard), and the
+/// buckets cover the largest shard (shard_run places each run).
+struct shard_runs {
+  std::size_t run = 0, buckets = 0;
+};
+inline shard_runs shard_runs_of(std::size_t n, int ranks, std::size_t bucket_elements) noexcept {
+  const auto p = static_cast<std::size_t>(ranks > 0 ? ranks : 1);
+  const std::size_t largest = (n + p - 1) / p;
+  if (largest == 0) return {};
+  const std::size_t run = std::min(std::max<std::size_t>(1, bucket_elements / p), largest);
+  return {run, (largest + run - 1) / run};
+}
+
+/// options.exchange.fusion_bytes: 0 (automatic), or room for two elements of `element` bytes and
+/// at most 1 GiB (option_error naming the caller and its call, "" or "::gather_shards").
+inline void check_fusion_bytes(const char* caller, const char* call, std::size_t asked, std::size_t element) {
+  if (asked == 0 || (element * 2 <= asked && asked <= (std::size_t{1} << 30))) return;
+  std::string message = caller;
+  message.append(call).append(": options.exchange.fusion_bytes is ").append(std::to_string(asked));
+  message.append("; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+  throw option_error(message);
 }
 
 /// Fusion bytes for a call over `wire` that asked for `asked` (0: the transport's automatic size,

@@ -71,10 +71,7 @@ struct gather_call {
     gradavg::shared_detail::require_named(opts.exchange.compression, compression::int8, "options.exchange.compression");
     wire.check_options();
     const std::size_t asked = opts.exchange.fusion_bytes;
-    if (asked != 0 && (sizeof(T) * 2 > asked || asked > (std::size_t{1} << 30)))
-      throw option_error(std::string(Transport::caller) + "::gather_shards: options.exchange.fusion_bytes is " +
-                         std::to_string(asked) +
-                         "; it must hold two elements and be at most 1 GiB (or be 0: automatic)");
+    check_fusion_bytes(Transport::caller, "::gather_shards", asked, sizeof(T));
     work.words.resize(static_cast<std::size_t>(ranks) * fields + 2 * variables);
     work.outputs.resize(variables);
     std::uint64_t fingerprint = 0xcbf29ce484222325ull;
@@ -95,12 +92,11 @@ struct gather_call {
     header[g_sizes] = fingerprint;
     range_begin = std::min(opts.compute.range.begin, total);
     range_end = std::max(range_begin, std::min(opts.compute.range.end, total));
-    const std::size_t n = range_end - range_begin;
-    const std::size_t largest = (n + static_cast<std::size_t>(ranks) - 1) / static_cast<std::size_t>(ranks);
     const std::size_t bucket_elements =
         std::max<std::size_t>(1, fusion_bytes_for<T>(wire, asked, opts.exchange.compression) / sizeof(T));
-    slot_elements = std::min(std::max<std::size_t>(1, bucket_elements / static_cast<std::size_t>(ranks)), largest);
-    buckets = slot_elements == 0 ? 0 : (largest + slot_elements - 1) / slot_elements;
+    const shard_runs runs = shard_runs_of(range_end - range_begin, ranks, bucket_elements);
+    slot_elements = runs.run;
+    buckets = runs.buckets;
     if (buckets != 0) {
       const std::size_t bytes = layout().at(ranks);
       const std::size_t set_elements = (bytes + sizeof(T) - 1) / sizeof(T);
