@@ -22,6 +22,8 @@ packages=(
   libtorch-dev                      # libtorch: gradavg::torch, test_torch, train_torch_threads,
                                     # gradavg_bench_torch; its Depends bring what Torch's CMake
                                     # config finds (gflags, glog, protobuf; oneDNN is above)
+  libgloo-dev                       # gloo's headers, which libtorch's c10d headers include:
+                                    # gradavg::c10d, test_c10d, train_c10d
   g++-aarch64-linux-gnu qemu-user   # aarch64 (NEON) cross build, run under qemu-aarch64
   libopenmpi-dev openmpi-bin        # gradavg::mpi, its tests (werror stage), train_mpi, bench_mpi;
                                     # nothing they only recommend is used (libopenmpi-dev recommends

@@ -43,22 +43,6 @@ std::vector<rank_result<S>> means_on_ranks(const std::vector<towers_of<S>>& towe
   });
 }
 
-/// Rank r holds towers_on(r) towers of random values (seeded by rank and tower).
-template <class S>
-std::vector<towers_of<S>> random_ranks(int ranks, const std::function<std::size_t(int)>& towers_on) {
-  std::vector<towers_of<S>> all(static_cast<std::size_t>(ranks));
-  for (int r = 0; r < ranks; ++r)
-    for (std::size_t k = 0; k < towers_on(r); ++k) {
-      auto& tower = all[static_cast<std::size_t>(r)].emplace_back();
-      for (std::size_t i = 0; i < sizes.size(); ++i) {
-        const S* values = random_slice<S>(sizes[i], static_cast<std::uint32_t>(1000 * r + 10 * k + i));
-        tower.emplace_back(Eigen::Map<const vector_of<S>>(values, static_cast<Eigen::Index>(sizes[i])),
-                           "w" + std::to_string(i));
-      }
-    }
-  return all;
-}
-
 template <class S>
 bool same_outputs(const std::vector<vector_of<S>>& a, const std::vector<vector_of<S>>& b) {
   for (std::size_t i = 0; i < a.size(); ++i)

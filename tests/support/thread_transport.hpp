@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <span>
 #include <string>
 #include <thread>
@@ -177,6 +178,22 @@ std::vector<vector_of<S>> sentinel_outputs() {
   std::vector<vector_of<S>> out;
   for (std::size_t n : sizes) out.push_back(vector_of<S>::Constant(static_cast<Eigen::Index>(n), sentinel<S>));
   return out;
+}
+
+/// Rank r holds towers_on(r) towers of random values (seeded by rank and tower).
+template <class S>
+std::vector<towers_of<S>> random_ranks(int ranks, const std::function<std::size_t(int)>& towers_on) {
+  std::vector<towers_of<S>> all(static_cast<std::size_t>(ranks));
+  for (int r = 0; r < ranks; ++r)
+    for (std::size_t k = 0; k < towers_on(r); ++k) {
+      auto& tower = all[static_cast<std::size_t>(r)].emplace_back();
+      for (std::size_t i = 0; i < sizes.size(); ++i) {
+        const S* values = random_slice<S>(sizes[i], static_cast<std::uint32_t>(1000 * r + 10 * k + i));
+        tower.emplace_back(Eigen::Map<const vector_of<S>>(values, static_cast<Eigen::Index>(sizes[i])),
+                           "w" + std::to_string(i));
+      }
+    }
+  return all;
 }
 
 /// One tower per rank, of the variables of `sizes`: random values (seeded by `seed`, the rank and

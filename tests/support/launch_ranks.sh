@@ -1,0 +1,44 @@
+#!/bin/sh
+# launch_ranks.sh <ranks> <file|tcp> <program> [argument...]: runs <ranks> copies of <program> the
+# torchrun way, as the c10d tests need: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and either
+# GRADAVG_TEST_STORE (a FileStore's path in a fresh folder) or MASTER_ADDR=127.0.0.1 and a free
+# MASTER_PORT. Each copy is ended after GRADAVG_TEST_RANK_TIMEOUT seconds (default 240): a rank
+# that hangs fails the run. Every rank's output is printed, rank by rank; the status is 0 when
+# every copy ends with 0.
+set -u
+ranks=$1
+store=$2
+shift 2
+folder=$(mktemp -d)
+trap 'rm -rf "$folder"' EXIT
+export WORLD_SIZE="$ranks" LOCAL_WORLD_SIZE="$ranks"
+if [ "$store" = file ]; then
+  export GRADAVG_TEST_STORE="$folder/store"
+else
+  export MASTER_ADDR=127.0.0.1
+  MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  export MASTER_PORT
+fi
+pids=""
+r=0
+while [ "$r" -lt "$ranks" ]; do
+  RANK=$r LOCAL_RANK=$r timeout -k 5 "${GRADAVG_TEST_RANK_TIMEOUT:-240}" "$@" >"$folder/out.$r" 2>&1 &
+  pids="$pids $!"
+  r=$((r + 1))
+done
+status=0
+r=0
+for pid in $pids; do
+  if ! wait "$pid"; then
+    echo "rank $r failed"
+    status=1
+  fi
+  r=$((r + 1))
+done
+r=0
+while [ "$r" -lt "$ranks" ]; do
+  echo "---- rank $r"
+  cat "$folder/out.$r"
+  r=$((r + 1))
+done
+exit $status
