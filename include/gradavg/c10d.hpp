@@ -21,6 +21,7 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -208,11 +209,12 @@ decltype(auto) over_group(::c10d::ProcessGroup& group, const c10d::options& opts
   return std::forward<F>(f)(wire, work);
 }
 
-template <class TG, class Means, class Squares>
+/// gradavg::c10d's calls over group. prior, planned, SameElements: see processes::average_into.
+template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into(::c10d::ProcessGroup& group, const TG& tg, Means& means, Squares* squares,
-                     const c10d::options& opts, plan* planned = nullptr) {
+                     const c10d::options& opts, std::exception_ptr prior = nullptr, plan* planned = nullptr) {
   return over_group(group, opts, [&](transport& wire, shared_detail::buffers& work) {
-    return processes::average_into(wire, work, tg, means, squares, opts, nullptr, planned);
+    return processes::average_into<SameElements>(wire, work, tg, means, squares, opts, prior, planned);
   });
 }
 
@@ -241,7 +243,7 @@ template <std::same_as<plan> P, tower_gradients TG, class Means>
   requires gradavg::detail::output_range<Means&>
 summary average_gradients_into(P& p, ::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means,
                                const c10d::options& opts = {}) {
-  return detail::average_into(group, tower_grads, means, gradavg::detail::no_squares, opts, &p);
+  return detail::average_into(group, tower_grads, means, gradavg::detail::no_squares, opts, nullptr, &p);
 }
 
 /// As above, with squares.
@@ -249,7 +251,7 @@ template <std::same_as<plan> P, tower_gradients TG, class Means, class Squares>
   requires gradavg::detail::output_range<Means&> && gradavg::detail::output_range<Squares&>
 summary average_gradients_into(P& p, ::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means,
                                Squares&& squares, const c10d::options& opts = {}) {
-  return detail::average_into(group, tower_grads, means, &squares, opts, &p);
+  return detail::average_into(group, tower_grads, means, &squares, opts, nullptr, &p);
 }
 
 /// gradavg::mpi::gather_shards over a process group: after sharded averaging and an update of

@@ -107,6 +107,9 @@ struct exchange_options {
   gradavg::output_mode output = gradavg::output_mode::replicated;
   std::span<float> residual = {};
   std::uint64_t seed = 0;
+  /// Error feedback kept by libtorch::c10d_data_parallel (gradavg::error_feedback); off for a
+  /// direct call.
+  error_feedback feedback = error_feedback::off;
   /// Buffers kept between calls; not owned. Null: the call allocates its own.
   workspace* work = nullptr;
 };

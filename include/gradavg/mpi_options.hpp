@@ -58,13 +58,8 @@ enum class exchange_method : unsigned char {
   point_to_point,
 };
 
-/// Error feedback kept by an object that averages step after step: libtorch::mpi_data_parallel
-/// keeps a residual per bucket (options.exchange.residual's meaning) with kept. The direct calls
-/// take options.exchange.residual instead (kept there: option_error).
-enum class error_feedback : unsigned char {
-  off,   ///< none (the default)
-  kept,  ///< the residuals held by the averaging object, reset by its reset_feedback()
-};
+/// gradavg::error_feedback (options.hpp), by its former name.
+using gradavg::error_feedback;
 
 class workspace;
 

@@ -97,6 +97,15 @@ enum class compression : std::uint8_t {
   int8,
 };
 
+/// Error feedback kept by an object that averages step after step across processes
+/// (options.exchange.feedback): the libtorch module helpers (mpi_data_parallel, c10d_data_parallel)
+/// keep a residual per bucket (options.exchange.residual's meaning) with kept. The direct calls
+/// take options.exchange.residual instead (kept there: option_error).
+enum class error_feedback : std::uint8_t {
+  off,   ///< none (the default)
+  kept,  ///< the residuals held by the averaging object, reset by its reset_feedback()
+};
+
 /// Which means each rank receives from a call across processes (options.exchange.output of
 /// gradavg::mpi).
 enum class output_mode : std::uint8_t {

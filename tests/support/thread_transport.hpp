@@ -39,6 +39,7 @@ struct thread_options {
     gradavg::output_mode output = gradavg::output_mode::replicated;
     std::span<float> residual = {};
     std::uint64_t seed = 0;
+    gradavg::error_feedback feedback = gradavg::error_feedback::off;
   } exchange;
   [[nodiscard]] gradavg::options local() const noexcept { return {compute, run, check}; }
 };

@@ -1,12 +1,12 @@
-// gradavg::libtorch::mpi_data_parallel (gradavg/torch_mpi.hpp) under mpiexec; ctest runs it with 2
-// and 3 ranks, each with a timeout. Rank r holds r + 1 replicas of one Deep model, each running its
+// gradavg::libtorch's data parallel across processes (gradavg/torch_processes.hpp): built as
+// test_torch_mpi_data_parallel for mpi_data_parallel under mpiexec, and with GRADAVG_TEST_C10D as
+// test_torch_c10d_data_parallel for c10d_data_parallel over gloo, started by
+// support/launch_ranks.sh (support/process_world.hpp); ctest runs each with 2 and 3 ranks, each
+// with a timeout. The cases' names say mpi_data_parallel for both. Rank r holds r + 1 replicas of one Deep model, each running its
 // backward on a thread of its own, and a second set of the same replicas fed the same batches is
-// averaged by the one-shot average_module_gradients(comm, ...): the gradients and reports are
+// averaged by the one-shot average_module_gradients(world(), ...): the gradients and reports are
 // compared bit for bit, and across ranks. Failures are provoked on one rank only: every rank
 // throws, none hangs.
-#include <gradavg/torch_mpi.hpp>
-
-#include <mpi.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -23,16 +23,13 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "mpi_support.hpp"
+#include "process_world.hpp"
 #include "support.hpp"
 #include "torch_models.hpp"
 
 using namespace gradavg_test::models;  // Net, Deep, to_channels_last
 
 namespace {
-
-/// MPI for the life of the program, at the thread level mpi_data_parallel's worker needs.
-const gradavg_test::mpi_session session(MPI_THREAD_SERIALIZED);
 
 std::size_t world_rank() { return static_cast<std::size_t>(gradavg_test::world_rank()); }
 using gradavg_test::same_on_every_rank;
@@ -120,13 +117,13 @@ TEST_CASE("mpi_data_parallel: the one-shot call's gradients bit for bit on every
   for (std::size_t bucket_bytes : {std::size_t{1}, std::size_t{700}, std::size_t{1} << 20}) {
     INFO("buckets of " << bucket_bytes << " bytes");
     twin_replicas t(7);
-    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = bucket_bytes});
+    gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, {}, {}, {.bytes = bucket_bytes});
     for (std::uint64_t step = 0; step < 3; ++step) {
       t.zero_grad(step % 2 == 0);
       REQUIRE(!t.backward(t.overlapped, step));
       const auto got = dp.finish();
       REQUIRE(!t.backward(t.one_shot, step));
-      const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);
+      const auto want = gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot);
       check_same_reports(got, want);
       CHECK(got.report.averaged == 12);
       CHECK(dp.overlapped_buckets() == dp.buckets().size());
@@ -139,9 +136,9 @@ TEST_CASE("mpi_data_parallel, means_to first_replica and statistics: one optimiz
   at::set_num_threads(1);
   twin_replicas t(17);
   const gradavg::libtorch::module_options first{.means_to = gradavg::libtorch::mean_target::first_replica};
-  gradavg::mpi::options opts;
+  gradavg_test::world_options opts;
   opts.compute.statistics = true;
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, first, {.bytes = 700});
+  gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, opts, first, {.bytes = 700});
   const auto adam = [](Deep& m) { return torch::optim::Adam(m->parameters(), torch::optim::AdamOptions(1e-2)); };
   torch::optim::Adam one = adam(t.overlapped[0]);
   std::vector<torch::optim::Adam> each;
@@ -155,7 +152,7 @@ TEST_CASE("mpi_data_parallel, means_to first_replica and statistics: one optimiz
       for (const auto& p : t.overlapped[k]->parameters()) own[k].push_back(p.grad().clone());
     const auto got = dp.finish();
     REQUIRE(!t.backward(t.one_shot, step));
-    const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts);
+    const auto want = gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot, opts);
     check_same_reports(got, want);
     // Buckets sum the statistics in another order than the one-shot call: the same within
     // rounding, and the same bits on every rank.
@@ -190,14 +187,14 @@ TEST_CASE("mpi_data_parallel, int8 with error feedback kept: ranks alike, the me
   at::set_num_threads(1);
   twin_replicas t(29);
   REQUIRE(!t.backward(t.one_shot, 0));
-  (void)gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot);  // the exact means
+  (void)gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot);  // the exact means
   std::vector<at::Tensor> exact;
   for (const auto& p : t.one_shot[0]->parameters()) exact.push_back(p.grad().to(at::kDouble));
-  gradavg::mpi::options opts;
+  gradavg_test::world_options opts;
   opts.exchange.compression = gradavg::compression::int8;
-  opts.exchange.feedback = gradavg::mpi::error_feedback::kept;
+  opts.exchange.feedback = gradavg::error_feedback::kept;
   opts.exchange.seed = 5;
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, opts, {}, {.bytes = 700});
   const int steps = 32;
   std::vector<at::Tensor> sum;
   double first_error = 0;
@@ -235,9 +232,9 @@ TEST_CASE("mpi_data_parallel, int8 with error feedback kept: ranks alike, the me
 TEST_CASE("mpi_data_parallel: error feedback kept without a lossy format is an option_error on every rank, no hang") {
   at::set_num_threads(1);
   twin_replicas t(31);
-  gradavg::mpi::options opts;
-  opts.exchange.feedback = gradavg::mpi::error_feedback::kept;  // compression none
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  gradavg_test::world_options opts;
+  opts.exchange.feedback = gradavg::error_feedback::kept;  // compression none
+  gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, opts, {}, {.bytes = 700});
   REQUIRE(!t.backward(t.overlapped, 0));
   const std::string m = gradavg_test::message_of<gradavg::option_error>([&] { dp.finish(); });
   CHECK(gradavg_test::contains(m, "options.exchange.feedback is kept"));
@@ -245,17 +242,17 @@ TEST_CASE("mpi_data_parallel: error feedback kept without a lossy format is an o
   opts.exchange.compression = gradavg::compression::int8;
   REQUIRE(!t.backward(t.one_shot, 0));
   const std::string direct = gradavg_test::message_of<gradavg::option_error>(
-      [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts); });
-  CHECK(gradavg_test::contains(direct, "only libtorch::mpi_data_parallel keeps residuals"));
+      [&] { gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot, opts); });
+  CHECK(gradavg_test::contains(direct, "only the libtorch module helpers keep residuals"));
   // The one-shot call over parameters of one dtype is one call: it takes a residual of the caller's.
   std::size_t elements = 0;
   for (const auto& p : t.one_shot[0]->parameters()) elements += static_cast<std::size_t>(p.numel());
   std::vector<float> residual(elements, 0.0f);
-  opts.exchange.feedback = gradavg::mpi::error_feedback::off;
+  opts.exchange.feedback = gradavg::error_feedback::off;
   opts.exchange.residual = residual;
   t.zero_grad(false);
   REQUIRE(!t.backward(t.one_shot, 1));
-  CHECK(gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts).report.averaged == 12);
+  CHECK(gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot, opts).report.averaged == 12);
   CHECK(std::any_of(residual.begin(), residual.end(), [](float r) { return r != 0.0f; }));
   CHECK(same_on_every_rank(gradient_hash(t.one_shot[0])));
 }
@@ -263,15 +260,15 @@ TEST_CASE("mpi_data_parallel: error feedback kept without a lossy format is an o
 TEST_CASE("the module helpers refuse sharded output: an option_error on every rank, no gradient changed") {
   at::set_num_threads(1);
   twin_replicas t(37);
-  gradavg::mpi::options opts;
+  gradavg_test::world_options opts;
   opts.exchange.output = gradavg::output_mode::sharded;
   REQUIRE(!t.backward(t.one_shot, 0));
   const std::uint64_t before = gradient_hash(t.one_shot[0]);
   const std::string m = gradavg_test::message_of<gradavg::option_error>(
-      [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, opts); });
+      [&] { gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot, opts); });
   CHECK(gradavg_test::contains(m, "options.exchange.output is not replicated"));
   CHECK(gradient_hash(t.one_shot[0]) == before);
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, opts, {}, {.bytes = 700});
+  gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, opts, {}, {.bytes = 700});
   REQUIRE(!t.backward(t.overlapped, 0));
   CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::option_error>([&] { dp.finish(); }),
                                "options.exchange.output is not replicated"));
@@ -283,13 +280,13 @@ TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the o
   const std::size_t no_aux = world_rank() == 1 ? 0 : ~std::size_t{0};
   SECTION("set to none: the one-shot call's missing_gradient_error on every rank") {
     twin_replicas t(11);
-    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = 1});
+    gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, {}, {}, {.bytes = 1});
     t.zero_grad(true);
     REQUIRE(!t.backward(t.overlapped, 0, no_aux));
     REQUIRE(!t.backward(t.one_shot, 0, no_aux));
     const std::string got = gradavg_test::message_of<gradavg::missing_gradient_error>([&] { dp.finish(); });
     const std::string want = gradavg_test::message_of<gradavg::missing_gradient_error>(
-        [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot); });
+        [&] { gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot); });
     CHECK(got == want);
     CHECK(gradavg_test::contains(got, "'aux.weight'"));
     // Usable again.
@@ -297,19 +294,19 @@ TEST_CASE("mpi_data_parallel: a parameter unused on one rank's replica, as the o
     REQUIRE(!t.backward(t.overlapped, 1));
     REQUIRE(!t.backward(t.one_shot, 1));
     const auto finished = dp.finish();  // before the one-shot call: one call at a time on the communicator
-    check_same_reports(finished, gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot));
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot));
     t.check_same_gradients();
   }
   SECTION("absent_as_zeros: zeros in their place, listed on every rank, the one-shot bits") {
     twin_replicas t(13);
-    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {.absent_as_zeros = true},
+    gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, {}, {.absent_as_zeros = true},
                                             {.bytes = 700});
     t.zero_grad(true);
     REQUIRE(!t.backward(t.overlapped, 0, no_aux));
     REQUIRE(!t.backward(t.one_shot, 0, no_aux));
     const auto got = dp.finish();
     const auto want =
-        gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot, {}, {.absent_as_zeros = true});
+        gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot, {}, {.absent_as_zeros = true});
     check_same_reports(got, want);
     CHECK(got.zero_filled == std::vector<std::string>{"aux.weight", "aux.bias"});
     t.check_same_gradients();
@@ -322,7 +319,7 @@ TEST_CASE("mpi_data_parallel: a backward that throws on one rank hangs no rank, 
   for (const bool abandon : {false, true}) {
     INFO((abandon ? "abandon()" : "finish()"));
     twin_replicas t(17);
-    gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {}, {.bytes = 1});
+    gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, {}, {}, {.bytes = 1});
     t.zero_grad(true);
     const std::exception_ptr failed =
         t.backward(t.overlapped, 0, ~std::size_t{0}, failing_rank ? 1 : ~std::size_t{0});
@@ -337,7 +334,7 @@ TEST_CASE("mpi_data_parallel: a backward that throws on one rank hangs no rank, 
     REQUIRE(!t.backward(t.overlapped, 1));
     REQUIRE(!t.backward(t.one_shot, 1));
     const auto finished = dp.finish();  // before the one-shot call: one call at a time on the communicator
-    check_same_reports(finished, gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, t.one_shot));
+    check_same_reports(finished, gradavg::libtorch::average_module_gradients(gradavg_test::world(), t.one_shot));
     t.check_same_gradients();
   }
 }
@@ -352,14 +349,14 @@ TEST_CASE("mpi_data_parallel: frozen parameters skipped and listed on every rank
       set->push_back(std::dynamic_pointer_cast<NetImpl>(model->clone()));
       for (auto& p : set->back()->frozen->parameters()) p.set_requires_grad(false);
     }
-  gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, a, {}, {}, {.bytes = 1});
+  gradavg_test::world_data_parallel dp(gradavg_test::world(), a, {}, {}, {.bytes = 1});
   for (auto* set : {&a, &b})
     for (std::size_t k = 0; k < set->size(); ++k) {
       torch::manual_seed(10 * world_rank() + k);
       (*set)[k]->forward(torch::randn({4, 6})).square().sum().backward();
     }
   const auto got = dp.finish();
-  const auto want = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, b);
+  const auto want = gradavg::libtorch::average_module_gradients(gradavg_test::world(), b);
   CHECK(got.report.averaged == want.report.averaged);
   CHECK(got.report.skipped == want.report.skipped);
   CHECK(got.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
@@ -374,7 +371,7 @@ TEST_CASE("mpi_data_parallel: a rank that cannot set up, or buckets that differ,
     for (auto& m : t.overlapped) modules.push_back(m.get());
     if (world_rank() == 1) modules[0] = nullptr;
     const auto make = [&] {
-      gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, std::span<torch::nn::Module* const>(modules));
+      gradavg_test::world_data_parallel dp(gradavg_test::world(), std::span<torch::nn::Module* const>(modules));
     };
     if (world_rank() == 1)
       CHECK(gradavg_test::message_of<gradavg::tower_error>(make) == "gradavg: replica 0 is null");
@@ -384,7 +381,7 @@ TEST_CASE("mpi_data_parallel: a rank that cannot set up, or buckets that differ,
   SECTION("another bucket size on rank 0: variable_mismatch_error on every rank") {
     const std::size_t bytes = world_rank() == 0 ? 1 : std::size_t{1} << 20;
     CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::variable_mismatch_error>([&] {
-                                   gradavg::libtorch::mpi_data_parallel dp(MPI_COMM_WORLD, t.overlapped, {}, {},
+                                   gradavg_test::world_data_parallel dp(gradavg_test::world(), t.overlapped, {}, {},
                                                                            {.bytes = bytes});
                                  }),
                                  "buckets differ"));

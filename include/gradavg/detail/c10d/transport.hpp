@@ -31,6 +31,30 @@ inline at::Tensor bytes_tensor(const std::byte* at, std::size_t n) {
   return at::from_blob(const_cast<std::byte*>(at), {static_cast<std::int64_t>(n)}, at::TensorOptions(at::kByte));
 }
 
+/// 64-bit words as a tensor the process group reads or writes in place.
+inline at::Tensor words_tensor(std::uint64_t* words, std::size_t n) {
+  return at::from_blob(words, {static_cast<std::int64_t>(n)}, at::TensorOptions(at::kLong));
+}
+
+/// The group's allreduce of n words in place, as unsigned words: MIN, MAX (int64 tensors, the
+/// unsigned order kept by flipping the top bit) or BOR.
+inline void reduce_words(::c10d::ProcessGroup& group, std::uint64_t* words, std::size_t n, ::c10d::ReduceOp::RedOpType op) {
+  const std::uint64_t flip = op == ::c10d::ReduceOp::BOR ? 0 : std::uint64_t{1} << 63;
+  for (std::size_t i = 0; i < n; ++i) words[i] ^= flip;
+  try {
+    shared_detail::guarded(op == ::c10d::ReduceOp::MIN ? "allreduce (MIN)" : op == ::c10d::ReduceOp::MAX ? "allreduce (MAX)" : "allreduce (BOR)", [&] {
+      std::vector<at::Tensor> tensors{words_tensor(words, n)};
+      ::c10d::AllreduceOptions how;
+      how.reduceOp = ::c10d::ReduceOp(op);
+      group.allreduce(tensors, how)->wait();
+    });
+  } catch (...) {
+    for (std::size_t i = 0; i < n; ++i) words[i] ^= flip;
+    throw;
+  }
+  for (std::size_t i = 0; i < n; ++i) words[i] ^= flip;
+}
+
 /// A process group as a call's transport: the agreement's words as int64 tensors (the unsigned
 /// order kept by flipping the top bit), a bucket's moves as send / recv with every other rank.
 class transport {
@@ -48,10 +72,10 @@ class transport {
   void check_options() const noexcept {}
   [[nodiscard]] std::size_t automatic_fusion_bytes() const noexcept { return c10d::automatic_fusion_bytes(ranks_); }
 
-  void min_words(std::uint64_t* words, std::size_t n) { reduce(words, n, ::c10d::ReduceOp::MIN, "allreduce (MIN)"); }
+  void min_words(std::uint64_t* words, std::size_t n) { reduce_words(group_, words, n, ::c10d::ReduceOp::MIN); }
   void max_words(const std::uint64_t* in, std::uint64_t* words, std::size_t n) {
     std::copy(in, in + n, words);
-    reduce(words, n, ::c10d::ReduceOp::MAX, "allreduce (MAX)");
+    reduce_words(group_, words, n, ::c10d::ReduceOp::MAX);
   }
   void gather_words(const std::uint64_t* in, std::uint64_t* words, std::size_t n) {
     shared_detail::guarded("allgather", [&] {
@@ -100,26 +124,6 @@ class transport {
  private:
   static int tag(std::size_t set, int direction) noexcept {
     return send_tag_base + 2 * static_cast<int>(set) + direction;
-  }
-  static at::Tensor words_tensor(std::uint64_t* words, std::size_t n) {
-    return at::from_blob(words, {static_cast<std::int64_t>(n)}, at::TensorOptions(at::kLong));
-  }
-  void reduce(std::uint64_t* words, std::size_t n, ::c10d::ReduceOp op, const char* operation) {
-    // Signed order of the flipped words is the unsigned order of the words.
-    constexpr std::uint64_t top = std::uint64_t{1} << 63;
-    for (std::size_t i = 0; i < n; ++i) words[i] ^= top;
-    try {
-      shared_detail::guarded(operation, [&] {
-        std::vector<at::Tensor> tensors{words_tensor(words, n)};
-        ::c10d::AllreduceOptions how;
-        how.reduceOp = op;
-        group_.allreduce(tensors, how)->wait();
-      });
-    } catch (...) {
-      for (std::size_t i = 0; i < n; ++i) words[i] ^= top;
-      throw;
-    }
-    for (std::size_t i = 0; i < n; ++i) words[i] ^= top;
   }
   // Both ends of a move compute its size alike: an empty one is neither sent nor received.
   void post_send(std::size_t set, const std::byte* from, std::size_t n, int to, int t) noexcept {

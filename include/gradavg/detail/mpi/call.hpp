@@ -34,11 +34,6 @@ decltype(auto) over_mpi(MPI_Comm comm, const mpi::options& opts, F&& f) {
 template <bool SameElements = false, class TG, class Means, class Squares>
 summary average_into(MPI_Comm comm, const TG& tg, Means& means, Squares* squares, const mpi::options& opts,
                      std::exception_ptr prior = nullptr, plan* planned = nullptr) {
-  // A refusal before the first collective takes part in it (every rank throws).
-  if (!prior && opts.exchange.feedback != error_feedback::off)
-    prior = std::make_exception_ptr(option_error(
-        "gradavg::mpi: options.exchange.feedback is kept: only libtorch::mpi_data_parallel keeps residuals (one per "
-        "bucket); a direct call takes its residual in options.exchange.residual"));
   return over_mpi(comm, opts, [&](transport& wire, shared_detail::buffers& work) {
     return processes::average_into<SameElements>(wire, work, tg, means, squares, opts, prior, planned);
   });

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <exception>
+#include <string>
 
 #include "call.hpp"
 #include "exchange.hpp"
@@ -30,6 +31,12 @@ summary average_into(Transport& wire, gradavg::shared_detail::process_buffers& w
                      plan* planned) {
   using G = gradient_tensor_t<TG>;
   using OT = output_tensor_t<Means&>;
+  // A refusal before the first collective takes part in it (every rank throws).
+  if (!prior && opts.exchange.feedback != error_feedback::off)
+    prior = std::make_exception_ptr(option_error(
+        std::string(Transport::caller) +
+        ": options.exchange.feedback is kept: only the libtorch module helpers keep residuals (one per bucket); a "
+        "direct call takes its residual in options.exchange.residual"));
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
   static_assert(dynamic_tensor<G> || supported_scalar<tensor_value_t<G>>,
                 "gradavg: gradient elements must be " GRADAVG_ELEMENT_TYPES_MESSAGE_);
