@@ -45,7 +45,18 @@ if [[ -x "$build/examples/train_torch_threads" ]]; then
   "$build/examples/train_torch_threads" --data "$digits"
   if [[ -n "${mpi:-}" && -x "$build/examples/train_torch_mpi" ]]; then
     echo
-    echo "== examples/train_torch_mpi.cpp (mpiexec -n 2, 2 replicas each)"
+    echo "== examples/train_torch_processes.cpp as train_torch_mpi (mpiexec -n 2, 2 replicas each)"
     mpiexec -n 2 "${preflags[@]}" "$build/examples/train_torch_mpi" --data "$digits" --replicas 2
+  fi
+  if [[ -x "$build/examples/train_torch_c10d" ]]; then
+    echo
+    # The same over a gloo process group, started the torchrun way (a shell loop without torchrun).
+    if command -v torchrun > /dev/null; then
+      echo "== examples/train_torch_processes.cpp as train_torch_c10d (torchrun --nproc_per_node=2 --no-python)"
+      torchrun --nproc_per_node=2 --no-python "$build/examples/train_torch_c10d" --data "$digits" --replicas 2 --quiet
+    else
+      echo "== examples/train_torch_processes.cpp as train_torch_c10d (2 processes, RANK/WORLD_SIZE/MASTER_*)"
+      sh tests/support/launch_ranks.sh 2 tcp "$build/examples/train_torch_c10d" --data "$digits" --replicas 2 --quiet
+    fi
   fi
 fi

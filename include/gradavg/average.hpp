@@ -18,6 +18,7 @@
 
 #include <concepts>
 #include <cstddef>
+#include <exception>
 #include <ranges>
 #include <type_traits>
 #include <utility>
@@ -126,6 +127,35 @@ auto average_allocating(const TG& tower_grads, bool with_squares, const options&
     using S = tensor_value_t<G>;
     average_gradients_typed<S>(tower_grads, variable_count, element_of_type<S>(), result, with_squares, opts);
   }
+  return result;
+}
+
+/// The allocating calls across processes (gradavg::mpi's and gradavg::c10d's average_gradients):
+/// results allocated from this rank's towers (local: the options' one-process groups), then
+/// call(means, squares: a pointer or no_squares, prior), where prior is a failure before it,
+/// which the call passes to its first collective (every rank throws, none waits).
+template <class TG, class Call>
+auto average_allocating_across(const TG& tower_grads, bool with_squares, const options& local, Call&& call) {
+  using G = gradient_tensor_t<TG>;
+  static_assert(resultable_tensor<G>,
+                "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
+                "use average_gradients_into with outputs you own");
+  using R = typename tensor_traits<G>::result_type;
+  averaged_gradients<R, variable_t<TG>> result;
+  allocated_outputs<R> outputs;
+  std::exception_ptr prior;
+  try {
+    const std::size_t towers = std::ranges::size(tower_grads);
+    const std::size_t variable_count = towers == 0 ? 0 : std::ranges::size(at(tower_grads, 0));
+    require_whole_range(local);
+    element_type element = element_type::float32;
+    if constexpr (dynamic_tensor<G>)
+      element = validate_elements(tower_grads, validate_tower_counts(tower_grads), no_means, no_squares).gradients;
+    outputs = allocate_results(tower_grads, variable_count, element, with_squares, result);
+  } catch (...) {
+    prior = std::current_exception();
+  }
+  result.report = with_squares ? call(outputs.means, &outputs.squares, prior) : call(outputs.means, no_squares, prior);
   return result;
 }
 

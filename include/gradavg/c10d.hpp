@@ -11,7 +11,7 @@
 // stops calling makes every other rank throw c10d_error within the group's timeout, never hang.
 #pragma once
 
-// ProcessGroupGloo.hpp declares its class only under USE_C10D_GLOO (target gradavg::c10d defines
+// ProcessGroupGloo.hpp declares its class only under USE_C10D_GLOO (Torch's CMake target defines
 // it too; a libtorch built without gloo has no such header).
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO 1
@@ -252,6 +252,27 @@ template <std::same_as<plan> P, tower_gradients TG, class Means, class Squares>
 summary average_gradients_into(P& p, ::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means,
                                Squares&& squares, const c10d::options& opts = {}) {
   return detail::average_into(group, tower_grads, means, &squares, opts, nullptr, &p);
+}
+
+/// The allocating form: gradavg::average_gradients over every rank's towers.
+template <tower_gradients TG>
+auto average_gradients(::c10d::ProcessGroup& group, const TG& tower_grads, const c10d::options& opts = {}) {
+  return gradavg::detail::average_allocating_across(tower_grads, false, opts.local(),
+                                                     [&](auto& means, auto* squares, std::exception_ptr prior) {
+                                                       return detail::average_into(group, tower_grads, means, squares,
+                                                                                   opts, prior);
+                                                     });
+}
+
+/// As above, with the means of squares (gradavg::include_square).
+template <tower_gradients TG>
+auto average_gradients(::c10d::ProcessGroup& group, const TG& tower_grads, include_square_t,
+                       const c10d::options& opts = {}) {
+  return gradavg::detail::average_allocating_across(tower_grads, true, opts.local(),
+                                                     [&](auto& means, auto* squares, std::exception_ptr prior) {
+                                                       return detail::average_into(group, tower_grads, means, squares,
+                                                                                   opts, prior);
+                                                     });
 }
 
 /// gradavg::mpi::gather_shards over a process group: after sharded averaging and an update of

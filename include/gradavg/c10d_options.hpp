@@ -31,9 +31,11 @@ class c10d_error : public error {
 namespace c10d {
 
 /// Bytes of one bucket's fusion buffer when options.exchange.fusion_bytes is 0 (the default), on a
-/// group of `ranks` processes: as gradavg::mpi's, 1 MiB or 256 KiB per rank where that is more, at
-/// most 16 MiB (every rank owns a slice of each bucket; a slice of 256 KiB keeps a message's
-/// latency small against its transfer).
+/// group of `ranks` processes: gradavg::mpi's choice, 1 MiB or 256 KiB per rank where that is more,
+/// at most 16 MiB. Measured by gradavg_bench_c10d (ResNet-50, 2 ranks): on an emulated 1 or
+/// 2.5 Gbit link, 1 MiB buckets keep the exchange within 1-6% of gloo's allreduce where 4 or
+/// 16 MiB take 3-18%; on one host, where every gloo operation's latency of about a hundred
+/// microseconds weighs, 16 MiB buckets take half the time of 1 MiB ones: pass fusion_bytes there.
 constexpr std::size_t automatic_fusion_bytes(int ranks) noexcept {
   const std::size_t per_rank = (std::size_t{256} << 10) * static_cast<std::size_t>(ranks > 0 ? ranks : 1);
   return std::min(std::max(std::size_t{1} << 20, per_rank), std::size_t{16} << 20);

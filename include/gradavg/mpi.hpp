@@ -116,53 +116,24 @@ summary average_gradients_into(P& p, MPI_Comm comm, const TG& tower_grads, Means
   return detail::average_into(comm, tower_grads, means, &squares, opts, nullptr, &p);
 }
 
-namespace detail {
-
-/// The allocating calls (average_gradients with and without include_square).
-template <class TG>
-auto average_allocating(MPI_Comm comm, const TG& tower_grads, bool with_squares, const mpi::options& opts) {
-  using G = gradavg::detail::gradient_tensor_t<TG>;
-  static_assert(resultable_tensor<G>,
-                "gradavg: tensor_traits<Gradient> needs result_type and make() for the allocating API; "
-                "use average_gradients_into with outputs you own");
-  using R = typename tensor_traits<G>::result_type;
-  using Var = gradavg::detail::variable_t<TG>;
-  averaged_gradients<R, Var> result;
-  gradavg::detail::allocated_outputs<R> outputs;
-  std::exception_ptr prior;
-  try {
-    const std::size_t towers = std::ranges::size(tower_grads);
-    const std::size_t variable_count = towers == 0 ? 0 : std::ranges::size(gradavg::detail::at(tower_grads, 0));
-    gradavg::detail::require_whole_range(opts.local());
-    element_type element = element_type::float32;
-    if constexpr (dynamic_tensor<G>)
-      element = gradavg::detail::validate_elements(tower_grads, gradavg::detail::validate_tower_counts(tower_grads),
-                                                   gradavg::detail::no_means, gradavg::detail::no_squares)
-                    .gradients;
-    outputs = gradavg::detail::allocate_results(tower_grads, variable_count, element, with_squares, result);
-  } catch (...) {
-    prior = std::current_exception();
-  }
-  if (with_squares)
-    result.report = detail::average_into(comm, tower_grads, outputs.means, &outputs.squares, opts, prior);
-  else
-    result.report =
-        detail::average_into(comm, tower_grads, outputs.means, gradavg::detail::no_squares, opts, prior);
-  return result;
-}
-
-}  // namespace detail
-
 /// The allocating form: gradavg::average_gradients over every rank's towers.
 template <tower_gradients TG>
 auto average_gradients(MPI_Comm comm, const TG& tower_grads, const mpi::options& opts = {}) {
-  return detail::average_allocating(comm, tower_grads, false, opts);
+  return gradavg::detail::average_allocating_across(tower_grads, false, opts.local(),
+                                                     [&](auto& means, auto* squares, std::exception_ptr prior) {
+                                                       return detail::average_into(comm, tower_grads, means, squares,
+                                                                                   opts, prior);
+                                                     });
 }
 
 /// As above, with the means of squares (gradavg::include_square).
 template <tower_gradients TG>
 auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, const mpi::options& opts = {}) {
-  return detail::average_allocating(comm, tower_grads, true, opts);
+  return gradavg::detail::average_allocating_across(tower_grads, true, opts.local(),
+                                                     [&](auto& means, auto* squares, std::exception_ptr prior) {
+                                                       return detail::average_into(comm, tower_grads, means, squares,
+                                                                                   opts, prior);
+                                                     });
 }
 
 /// After sharded averaging (output_mode::sharded) and an update of each rank's shard: every

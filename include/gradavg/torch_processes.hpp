@@ -246,7 +246,8 @@ namespace detail {
 /// everywhere), finish(), abandon(). The worker thread calls the group: this rank's other threads
 /// must not call it between the step's first backward and finish()'s return (with MPI: MPI
 /// initialised with MPI_THREAD_SERIALIZED or more, option_error otherwise). Destroy it after
-/// finish(), on every rank.
+/// finish(), on every rank. Its averaging calls run one at a time and share one workspace
+/// (opts.exchange.work, or the object's own): after the first step, steps allocate no buffers.
 ///
 /// Error feedback (opts.exchange.feedback = error_feedback::kept, with a lossy
 /// opts.exchange.compression; otherwise every averaging call is an option_error): the object
@@ -346,10 +347,17 @@ class process_data_parallel final : public data_parallel {
     }
   }
 
-  static masked_call over(Group group, std::span<::torch::nn::Module* const> replicas, const options_type& opts,
+  /// The transport's workspace type (options.exchange.work's).
+  using workspace_type = std::remove_pointer_t<decltype(options_type{}.exchange.work)>;
+
+  /// The averaging calls, one at a time (the worker's buckets, then finish()'s rest), share one
+  /// workspace: opts.exchange.work, or one the call keeps, so that steps allocate no buffers.
+  static masked_call over(Group group, std::span<::torch::nn::Module* const> replicas, options_type opts,
                           const module_options& mopts, std::shared_ptr<feedback_state> feedback) {
+    std::shared_ptr<workspace_type> own;
+    if (opts.exchange.work == nullptr) opts.exchange.work = (own = std::make_shared<workspace_type>()).get();
     return [group, modules = std::vector<::torch::nn::Module*>(replicas.begin(), replicas.end()), opts, mopts,
-            feedback](const std::vector<std::uint64_t>& masked,
+            feedback, own](const std::vector<std::uint64_t>& masked,
                       const std::vector<::torch::OrderedDict<std::string, at::Tensor>>& params) {
       std::uint64_t call_in_step = 0;  // several calls for parameters of several dtypes
       return detail::average_replicas(

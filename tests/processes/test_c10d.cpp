@@ -6,16 +6,25 @@
 // rank; a plan; errors on one rank reaching every rank with nothing written; the torchrun
 // variables' errors. The cases tagged [fault] each end a rank (it dies before or inside the call,
 // or stops calling): every other rank must throw c10d_error, not hang; ctest runs each alone.
+// The cases tagged [launch] run in one process (its threads as the ranks): launches that are
+// wrong end in c10d_error naming the variable or the rank.
 #include <gradavg/c10d.hpp>
 #include <gradavg/gradavg.hpp>
 
 #include <Eigen/Core>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -321,4 +330,99 @@ TEST_CASE("c10d fault: a rank that stops calling: c10d_error on every other rank
     std::_Exit(0);
   }
   call_survives(*g);
+}
+
+namespace {
+
+/// A port on 127.0.0.1 that nothing listens on (bound, then closed).
+std::uint16_t closed_port() {
+  const int s = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof a;
+  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &length);
+  ::close(s);
+  return ntohs(a.sin_port);
+}
+
+/// A FileStore path of this process's own, the file removed.
+std::string store_path(const char* name) {
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("gradavg_launch_" + std::to_string(::getpid()) + "_" + name);
+  std::filesystem::remove(path);
+  return path.string();
+}
+
+/// Each launch's group made on a thread of its own: the message of its c10d_error, or "" if the
+/// group was made.
+std::vector<std::string> make_groups(const std::vector<std::function<void()>>& makers) {
+  std::vector<std::string> messages(makers.size());
+  std::vector<std::thread> threads;
+  for (std::size_t i = 0; i < makers.size(); ++i)
+    threads.emplace_back([&, i] {
+      try {
+        makers[i]();
+      } catch (const gradavg::c10d_error& e) {
+        messages[i] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  return messages;
+}
+
+}  // namespace
+
+TEST_CASE("c10d launch: a store nobody serves is an error naming MASTER_ADDR:MASTER_PORT after the timeout",
+          "[launch]") {
+  gradavg::c10d::launch l;
+  l.rank = 1;
+  l.world_size = 2;
+  l.master_addr = "127.0.0.1";
+  l.master_port = closed_port();
+  const std::string message = message_of<gradavg::c10d_error>(
+      [&] { (void)gradavg::c10d::process_group(l, std::chrono::seconds(1)); });
+  CHECK_THAT(message, Catch::Matchers::Contains("reaching the store at MASTER_ADDR:MASTER_PORT = 127.0.0.1:" +
+                                                std::to_string(l.master_port)));
+}
+
+TEST_CASE("c10d launch: a world size unlike rank 0's, two processes with one rank, a rank that never comes",
+          "[launch]") {
+  using gradavg::c10d::process_group_over_file;
+  const auto timeout = std::chrono::seconds(2);
+  {
+    INFO("world sizes 2 and 3");
+    const std::string path = store_path("world");
+    const auto m = make_groups({[&] { process_group_over_file(path, 0, 2, timeout); },
+                                [&] { process_group_over_file(path, 1, 3, timeout); }});
+    CHECK_THAT(m[1], Catch::Matchers::Contains("rank 1: WORLD_SIZE is 3 here but 2 on rank 0"));
+    CHECK_THAT(m[0], Catch::Matchers::StartsWith("gradavg::c10d: "));  // rank 1 never joins its group
+    std::filesystem::remove(path);
+  }
+  {
+    INFO("two processes with RANK=1");
+    const std::string path = store_path("twice");
+    std::vector<c10::intrusive_ptr<::c10d::ProcessGroup>> made(3);
+    const auto m = make_groups({[&] { made[0] = process_group_over_file(path, 0, 2, timeout); },
+                                [&] { made[1] = process_group_over_file(path, 1, 2, timeout); },
+                                [&] {
+                                  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+                                  made[2] = process_group_over_file(path, 1, 2, timeout);
+                                }});
+    CHECK(m[0].empty());
+    CHECK(m[1].empty());
+    CHECK_THAT(m[2], Catch::Matchers::Contains("another process has claimed this rank already (two processes with "
+                                               "RANK=1)"));
+    made.clear();
+    std::filesystem::remove(path);
+  }
+  {
+    INFO("rank 2 of 3 never comes");
+    const std::string path = store_path("absent");
+    const auto m = make_groups({[&] { process_group_over_file(path, 0, 3, timeout); },
+                                [&] { process_group_over_file(path, 1, 3, timeout); }});
+    for (const auto& message : m) CHECK_THAT(message, Catch::Matchers::Contains("never came: rank 2"));
+    std::filesystem::remove(path);
+  }
 }

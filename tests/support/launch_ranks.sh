@@ -3,8 +3,8 @@
 # torchrun way, as the c10d tests need: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and either
 # GRADAVG_TEST_STORE (a FileStore's path in a fresh folder) or MASTER_ADDR=127.0.0.1 and a free
 # MASTER_PORT. Each copy is ended after GRADAVG_TEST_RANK_TIMEOUT seconds (default 240): a rank
-# that hangs fails the run. Every rank's output is printed, rank by rank; the status is 0 when
-# every copy ends with 0.
+# that hangs fails the run. Every rank's output is printed, rank by rank; the status is the
+# copies' own when they all end with the same (0, or 77: ctest's skip), else 1.
 set -u
 ranks=$1
 store=$2
@@ -26,15 +26,16 @@ while [ "$r" -lt "$ranks" ]; do
   pids="$pids $!"
   r=$((r + 1))
 done
-status=0
+status=""
 r=0
 for pid in $pids; do
-  if ! wait "$pid"; then
-    echo "rank $r failed"
-    status=1
-  fi
+  wait "$pid"
+  code=$?
+  [ "$code" -ne 0 ] && echo "rank $r ended with $code"
+  if [ -z "$status" ]; then status=$code; elif [ "$status" -ne "$code" ]; then status=1; fi
   r=$((r + 1))
 done
+[ "$status" -eq 77 ] || [ "$status" -eq 0 ] || status=1
 r=0
 while [ "$r" -lt "$ranks" ]; do
   echo "---- rank $r"

@@ -1,13 +1,12 @@
-// torch::Tensor gradients across processes (gradavg/mpi.hpp with run-time element types, and
-// gradavg/torch_mpi.hpp's module helper) under mpiexec; ctest runs it with 2 and 3 ranks, each
+// torch::Tensor gradients across processes (run-time element types, and the module helper of
+// gradavg/torch_processes.hpp): built as test_torch_mpi for gradavg::mpi under mpiexec, and with
+// GRADAVG_TEST_C10D as test_torch_c10d for gradavg::c10d over gloo, started by
+// support/launch_ranks.sh (support/process_world.hpp); ctest runs each with 2 and 3 ranks, each
 // with a timeout. Rank r holds r + 1 towers (replicas). Every rank regenerates every rank's
 // gradients from a seed, so each can compute the references itself: the same call through
 // std::span gradients of the static element type (bit for bit: the dispatch picked that kernel),
 // and torch's double mean over all towers of all ranks. Results are compared bit for bit across
 // ranks. Failures are provoked on one rank only: every rank throws, nothing is written.
-#include <gradavg/torch_mpi.hpp>
-
-#include <mpi.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -21,7 +20,7 @@
 #include <vector>
 
 #include "catch.hpp"
-#include "mpi_support.hpp"
+#include "process_world.hpp"
 #include "support.hpp"
 #include "torch_models.hpp"
 
@@ -33,9 +32,6 @@ using gradavg_test::contains;
 using gradavg_test::exception_of;
 
 using gradavg_test::same_on_every_rank;
-
-/// MPI for the life of the program (main() is the suite's shared one).
-const gradavg_test::mpi_session session;
 
 std::size_t world_rank() { return static_cast<std::size_t>(gradavg_test::world_rank()); }
 std::size_t world_size() { return static_cast<std::size_t>(gradavg_test::world_size()); }
@@ -80,9 +76,9 @@ towers_t local_towers(const towers_t& all) {
 
 /// The same call through std::span<const S> gradients into std::vector<O> outputs.
 template <class S, class O>
-std::vector<std::vector<O>> span_path(const towers_t& tg, const gradavg::mpi::options& opts) {
+std::vector<std::vector<O>> span_path(const towers_t& tg, const gradavg_test::world_options& opts) {
   return gradavg_test::through_spans<S, O>(tg, [&](const auto& st, auto& means) {
-    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, st, means, opts);
+    gradavg_test::across::average_gradients_into(gradavg_test::world(), st, means, opts);
   });
 }
 
@@ -92,10 +88,10 @@ void check_dtype(at::ScalarType dtype, at::ScalarType out_dtype, double toleranc
   const towers_t local = local_towers(all);
   for (std::size_t fusion_bytes : {std::size_t{60}, std::size_t{0}}) {
     INFO("fusion_bytes " << fusion_bytes);
-    gradavg::mpi::options opts;
+    gradavg_test::world_options opts;
     opts.exchange.fusion_bytes = fusion_bytes;
     auto means = outputs_like(local, out_dtype);
-    const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, opts);
+    const gradavg::summary s = gradavg_test::across::average_gradients_into(gradavg_test::world(), local, means, opts);
     CHECK(s.averaged == 4);
     CHECK(s.towers == total_towers());
     const auto want = span_path<S, O>(local, opts);
@@ -141,11 +137,11 @@ TEST_CASE("every dtype across ranks: the bits of the span path, the same on ever
 TEST_CASE("the allocating API across ranks returns tensors of the gradients' dtype, the bits of the into call") {
   const towers_t all = all_towers({{3, 2}, {50}}, at::kBFloat16, 3);
   const towers_t local = local_towers(all);
-  const auto r = gradavg::mpi::average_gradients(MPI_COMM_WORLD, local, gradavg::include_square);
+  const auto r = gradavg_test::across::average_gradients(gradavg_test::world(), local, gradavg::include_square);
   REQUIRE(r.gradients.size() == 2);
   auto means = outputs_like(local, at::kBFloat16);
   auto squares = outputs_like(local, at::kBFloat16);
-  gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means, squares);
+  gradavg_test::across::average_gradients_into(gradavg_test::world(), local, means, squares);
   std::vector<at::Tensor> got_means, got_squares;
   for (std::size_t i = 0; i < 2; ++i) {
     INFO("variable " << i);
@@ -172,9 +168,9 @@ TEST_CASE("module replicas across ranks: every replica of every rank holds the m
     if (!g.empty()) want[i] = torch::stack(g).mean(0);
   }
   auto local = local_replicas(all);
-  gradavg::mpi::options opts;
+  gradavg_test::world_options opts;
   opts.compute.statistics = true;
-  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, opts);
+  const auto r = gradavg::libtorch::average_module_gradients(gradavg_test::world(), local, opts);
   CHECK(r.report.averaged == 4);
   CHECK(r.report.towers == total_towers());
   CHECK(r.skipped == std::vector<std::string>{"frozen.weight", "frozen.bias"});
@@ -199,20 +195,20 @@ TEST_CASE("sharded output of torch::Tensor gradients, then gather_shards of torc
     const towers_t all = all_towers({{3, 40}, {700}, {5}}, dtype, 2);
     const towers_t local = local_towers(all);
     auto replicated = outputs_like(local, dtype);
-    gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, replicated);
+    gradavg_test::across::average_gradients_into(gradavg_test::world(), local, replicated);
     auto sharded = outputs_like(local, dtype);
-    gradavg::mpi::options opts;
+    gradavg_test::world_options opts;
     opts.exchange.output = gradavg::output_mode::sharded;
     opts.exchange.fusion_bytes = 256;
-    const gradavg::summary s = gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, sharded, opts);
+    const gradavg::summary s = gradavg_test::across::average_gradients_into(gradavg_test::world(), local, sharded, opts);
     CHECK(s.shard.end - s.shard.begin == 825 * (world_rank() + 1) / world_size() - 825 * world_rank() / world_size());
-    gradavg::mpi::gather_shards(MPI_COMM_WORLD, sharded, opts);
+    gradavg_test::across::gather_shards(gradavg_test::world(), sharded, opts);
     CHECK(hash_of(sharded) == hash_of(replicated));
     CHECK(same_on_every_rank(hash_of(sharded)));
   }
   // Parameters of two dtypes: element_type_error on that rank, remote_error elsewhere.
   std::vector<at::Tensor> mixed = {at::zeros({4}, at::kFloat), at::zeros({4}, world_rank() == 0 ? at::kDouble : at::kFloat)};
-  auto gather = [&] { gradavg::mpi::gather_shards(MPI_COMM_WORLD, mixed); };
+  auto gather = [&] { gradavg_test::across::gather_shards(gradavg_test::world(), mixed); };
   if (world_rank() == 0)
     CHECK(contains(gradavg_test::message_of<gradavg::element_type_error>(gather), "every parameter holds one element type"));
   else
@@ -232,7 +228,7 @@ TEST_CASE("another dtype on one rank: option_error on every rank naming it and w
     auto means = outputs_like(local, world_rank() == odd ? at::kDouble : at::kFloat);
     const auto before = hash_of(means);
     const std::string m =
-        exception_of<gradavg::option_error>([&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); })
+        exception_of<gradavg::option_error>([&] { gradavg_test::across::average_gradients_into(gradavg_test::world(), local, means); })
             .what();
     if (world_size() >= 3)
       CHECK(contains(m, "rank " + std::to_string(odd) + " passes float64 gradients into float64 outputs but ranks "));
@@ -252,7 +248,7 @@ TEST_CASE("mixed dtypes within one rank: element_type_error there, remote_error 
   if (world_rank() == last) local.back()[1].first = local.back()[1].first.to(at::kHalf);
   auto means = outputs_like(local, at::kFloat);
   const auto before = hash_of(means);
-  auto call = [&] { gradavg::mpi::average_gradients_into(MPI_COMM_WORLD, local, means); };
+  auto call = [&] { gradavg_test::across::average_gradients_into(gradavg_test::world(), local, means); };
   if (world_rank() == last) {
     CHECK(contains(exception_of<gradavg::element_type_error>(call).what(), "variable #1 'v1'"));
   } else {
@@ -287,7 +283,7 @@ TEST_CASE("a module whose parameters differ on one rank: variable_mismatch_error
     modules.back() = others.back().get();
   }
   const std::string m = exception_of<gradavg::variable_mismatch_error>([&] {
-                          gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, std::span(modules));
+                          gradavg::libtorch::average_module_gradients(gradavg_test::world(), std::span(modules));
                         }).what();
   CHECK(!m.empty());
   for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
@@ -305,7 +301,7 @@ TEST_CASE("a null replica on one rank: tower_error there, remote_error elsewhere
   }
   const std::size_t last = world_size() - 1;
   if (world_rank() == last) modules.back() = nullptr;
-  auto call = [&] { gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, std::span(modules)); };
+  auto call = [&] { gradavg::libtorch::average_module_gradients(gradavg_test::world(), std::span(modules)); };
   if (world_rank() == last)
     CHECK(contains(exception_of<gradavg::tower_error>(call).what(), "is null"));
   else
@@ -371,13 +367,13 @@ TEST_CASE("absent_as_zeros across ranks: the aux head's gradient absent on the l
   for (const auto& m : local) before.push_back(hash_of(gradients_of(m)));
   SECTION("by default: missing_gradient_error on every rank, nothing written") {
     const std::string m = exception_of<gradavg::missing_gradient_error>([&] {
-                            gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local);
+                            gradavg::libtorch::average_module_gradients(gradavg_test::world(), local);
                           }).what();
     CHECK(contains(m, "'aux.weight': gradient missing on rank " + std::to_string(last)));
     for (std::size_t k = 0; k < local.size(); ++k) CHECK(hash_of(gradients_of(local[k])) == before[k]);
   }
   SECTION("absent_as_zeros: zeros in their place, every replica of every rank holds the mean") {
-    const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.absent_as_zeros = true});
+    const auto r = gradavg::libtorch::average_module_gradients(gradavg_test::world(), local, {}, {.absent_as_zeros = true});
     CHECK(r.report.averaged == 6);
     CHECK(r.report.towers == total_towers());
     CHECK(r.skipped.empty());
@@ -393,7 +389,7 @@ TEST_CASE("absent_as_zeros across ranks: the aux head's gradient absent on the l
   }
   SECTION("absent_as_zeros set on rank 0 only: option_error on every rank, nothing written") {
     const std::string m = exception_of<gradavg::option_error>([&] {
-                            gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {},
+                            gradavg::libtorch::average_module_gradients(gradavg_test::world(), local, {},
                                                                         {.absent_as_zeros = world_rank() == 0});
                           }).what();
     CHECK(contains(m, "absent_as_zeros is set on some ranks but not on others"));
@@ -406,7 +402,7 @@ TEST_CASE("absent_as_zeros across ranks: a gradient absent on every replica of e
   auto all = all_two_heads(79, 0);
   const auto want = mean_with_zeros(all);
   auto local = local_of(all);
-  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.absent_as_zeros = true});
+  const auto r = gradavg::libtorch::average_module_gradients(gradavg_test::world(), local, {}, {.absent_as_zeros = true});
   CHECK(r.report.averaged == 4);
   CHECK(r.skipped == std::vector<std::string>{"aux.weight", "aux.bias"});
   CHECK(r.zero_filled.empty());
@@ -458,8 +454,8 @@ TEST_CASE("broadcast_parameters and broadcast_buffers across ranks: every replic
     const at::Tensor want = eval_output(reference[0], x);
     for (std::size_t k = 0; k < local.size(); ++k)
       if (world_rank() != root || k != 0) CHECK(!torch::equal(eval_output(local[k], x), want));
-    gradavg::libtorch::broadcast_parameters(MPI_COMM_WORLD, local, static_cast<int>(root));
-    gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, local, static_cast<int>(root));
+    gradavg::libtorch::broadcast_parameters(gradavg_test::world(), local, static_cast<int>(root));
+    gradavg::libtorch::broadcast_buffers(gradavg_test::world(), local, static_cast<int>(root));
     for (auto& m : local) {
       CHECK(state_hash(m) == state_hash(reference[0]));
       const at::Tensor got = eval_output(m, x);
@@ -476,7 +472,7 @@ TEST_CASE("broadcast_buffers across ranks: a rank whose model differs is an erro
     std::vector<std::uint64_t> before;
     for (const auto& m : local) before.push_back(state_hash(m));
     const std::string m = exception_of<gradavg::variable_mismatch_error>([&] {
-                            gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, local);
+                            gradavg::libtorch::broadcast_buffers(gradavg_test::world(), local);
                           }).what();
     CHECK(contains(m, "the ranks' replicas hold different buffers"));
     for (std::size_t k = 0; k < local.size(); ++k) CHECK(state_hash(local[k]) == before[k]);
@@ -486,7 +482,7 @@ TEST_CASE("broadcast_buffers across ranks: a rank whose model differs is an erro
     std::vector<torch::nn::Module*> modules;
     for (auto& m : local) modules.push_back(m.get());
     if (world_rank() == last) modules.back() = nullptr;
-    auto call = [&] { gradavg::libtorch::broadcast_parameters(MPI_COMM_WORLD, std::span(modules)); };
+    auto call = [&] { gradavg::libtorch::broadcast_parameters(gradavg_test::world(), std::span(modules)); };
     if (world_rank() == last)
       CHECK(contains(exception_of<gradavg::tower_error>(call).what(), "is null"));
     else
@@ -518,7 +514,7 @@ TEST_CASE("a bfloat16 body and a float head across ranks: each dtype in a call o
   const std::size_t r = world_rank();
   std::vector<Mixed> local(all.begin() + static_cast<std::ptrdiff_t>(first_tower(r)),
                            all.begin() + static_cast<std::ptrdiff_t>(first_tower(r) + r + 1));
-  const auto report = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local);
+  const auto report = gradavg::libtorch::average_module_gradients(gradavg_test::world(), local);
   CHECK(report.report.averaged == 4);
   CHECK(report.report.towers == k_count);
   std::vector<at::Tensor> g0;
@@ -549,7 +545,7 @@ TEST_CASE("module replicas across ranks: module_options::include_square gives ev
     if (!g.empty()) want[i] = torch::stack(g).mean(0);
   }
   auto local = local_replicas(all);
-  const auto r = gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, local, {}, {.include_square = true});
+  const auto r = gradavg::libtorch::average_module_gradients(gradavg_test::world(), local, {}, {.include_square = true});
   CHECK(r.report.averaged == 4);
   REQUIRE(r.squares.size() == parameter_count);
   for (std::size_t i = 0; i < parameter_count; ++i) {

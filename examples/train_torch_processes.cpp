@@ -1,21 +1,25 @@
 // Data-parallel training in libtorch across processes: the convolutional network with batch
-// normalisation of digits_model.hpp on scikit-learn's 1,797 handwritten digits. Every rank (a
-// process) holds --replicas replicas, each initialised on its own; broadcast_parameters and
-// broadcast_buffers (gradavg/torch_mpi.hpp) give every replica of every rank rank 0's start. Each
-// replica computes the gradient of its slice of every batch on its own thread;
-// gradavg::libtorch::mpi_data_parallel averages the gradients of every replica of every rank into
-// each replica's .grad(), bucket by bucket while the backward passes still run (--one-shot:
-// average_module_gradients(MPI_COMM_WORLD, ...) once they have returned; the same bits), bitwise
-// the same on every rank, every replica's optimizer takes the same step, and broadcast_buffers
-// gives every replica rank 0's BatchNorm running statistics.
+// normalisation of digits_model.hpp on scikit-learn's 1,797 handwritten digits, over MPI
+// (train_torch_mpi) or a gloo c10d::ProcessGroup (train_torch_c10d): the same code, with
+// processes.hpp's world() as the processes. Every rank (a process) holds --replicas replicas,
+// each initialised on its own; broadcast_parameters and broadcast_buffers give every replica of
+// every rank rank 0's start. Each replica computes the gradient of its slice of every batch on
+// its own thread; the transport's data parallel (mpi_data_parallel, c10d_data_parallel) averages
+// the gradients of every replica of every rank into each replica's .grad(), bucket by bucket
+// while the backward passes still run (--one-shot: average_module_gradients(world(), ...) once
+// they have returned; the same bits), bitwise the same on every rank, every replica's optimizer
+// takes the same step, and broadcast_buffers gives every replica rank 0's BatchNorm running
+// statistics.
 //
 //   mpiexec -n 2 train_torch_mpi --data digits.csv [--replicas 2] [--epochs 30] [--one-shot]
 //       [--compression none|bf16|fp16|int8|all] [--quiet]
+//   torchrun --nproc_per_node=2 --no-python train_torch_c10d --data digits.csv [...]
+//   for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
+//       train_torch_c10d --data digits.csv & done; wait     (one shell line)
 //
 // --compression: the exchange's wire format (gradavg::compression, an option of the helpers'
-// gradavg::mpi::options; default none; int8 without error feedback, which the helpers do not
-// take); all: the training once per format from the same start,
-// each one's held-out accuracy printed beside the fp32 exchange's.
+// options; default none; int8 without error feedback); all: the training once per format from
+// the same start, each one's held-out accuracy printed beside the fp32 exchange's.
 //
 // Checks, each failing the program (exit 1 on every rank): the first step's averaged gradient
 // against the mean of the gradients of every slice of every rank computed one at a time by one
@@ -23,9 +27,6 @@
 // replica of every rank bitwise identical at the end (parameters and buffers), held-out accuracy
 // (eval mode) of at least 90%, and with all, every format's within 0.5 points of the fp32
 // exchange's (or better). Exit 77 when the data file is missing (ctest reports it skipped).
-#include <gradavg/torch_mpi.hpp>
-
-#include <mpi.h>
 #include <torch/torch.h>
 
 #include <cstdint>
@@ -39,6 +40,7 @@
 #include <vector>
 
 #include "digits_model.hpp"
+#include "processes.hpp"
 #include "support.hpp"
 
 using namespace digits;  // the model, the data, the checks
@@ -58,13 +60,7 @@ std::uint64_t hash_of(Net& model) {
   return h;
 }
 
-/// Whether every rank passes true.
-bool on_every_rank(bool ok) {
-  int mine = ok ? 1 : 0, all = 0;
-  MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  return all == 1;
-}
-
+using processes::on_every_rank;
 
 /// One training from rank 0's start with one wire format: the held-out accuracy, or nothing
 /// after a failed check (reported).
@@ -79,15 +75,15 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
   // them all rank 0's replica 0. Then the same seed on every rank for the batches.
   torch::manual_seed(static_cast<std::uint64_t>(1000 + rank));
   std::vector<Net> replicas(k_count);
-  gradavg::libtorch::broadcast_parameters(MPI_COMM_WORLD, replicas, 0);
-  gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, replicas, 0);
+  gradavg::libtorch::broadcast_parameters(processes::world(), replicas, 0);
+  gradavg::libtorch::broadcast_buffers(processes::world(), replicas, 0);
   torch::manual_seed(2);
   // Hooks on every replica's parameters; buckets of 2 KiB, as this model is small (about 10 KiB of
   // parameters). Collective: every rank constructs it.
-  std::optional<gradavg::libtorch::mpi_data_parallel> overlapped;
-  gradavg::mpi::options opts;
+  std::optional<processes::data_parallel> overlapped;
+  processes::options opts;
   opts.exchange.compression = format.format;
-  if (!one_shot) overlapped.emplace(MPI_COMM_WORLD, replicas, opts, gradavg::libtorch::module_options{},
+  if (!one_shot) overlapped.emplace(processes::world(), replicas, opts, gradavg::libtorch::module_options{},
                                     gradavg::libtorch::bucket_options{.bytes = 2048});
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;
   for (auto& r : replicas)
@@ -117,7 +113,7 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
             losses[k] = loss.item<double>();
           });
       }
-      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(MPI_COMM_WORLD, replicas, opts)
+      const auto report = one_shot ? gradavg::libtorch::average_module_gradients(processes::world(), replicas, opts)
                                    : overlapped->finish();
       if (!on_every_rank(report.report.averaged == 6)) {
         std::fprintf(stderr, "rank %d: FAILED: %zu parameters averaged, 6 expected\n", rank, report.report.averaged);
@@ -140,12 +136,10 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
         checked_first_step = true;
       }
       for (auto& o : optimizers) o->step();
-      gradavg::libtorch::broadcast_buffers(MPI_COMM_WORLD, replicas, 0);  // rank 0's running statistics
+      gradavg::libtorch::broadcast_buffers(processes::world(), replicas, 0);  // rank 0's running statistics
       for (double l : losses) loss_sum += l / static_cast<double>(k_count);
     }
-    double mean_loss = loss_sum / steps;
-    MPI_Allreduce(MPI_IN_PLACE, &mean_loss, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    mean_loss /= ranks;
+    const double mean_loss = processes::sum(loss_sum / steps) / ranks;
     if (!quiet && rank == 0 && (epoch % 10 == 9 || epoch == epochs - 1))
       std::printf("epoch %3d: training loss %.4f, held-out accuracy %.1f%%\n", epoch + 1, mean_loss,
                   100 * accuracy(replicas[0], test));
@@ -155,9 +149,7 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
   const std::uint64_t h = hash_of(replicas[0]);
   bool same = true;
   for (std::size_t k = 1; k < k_count; ++k) same = same && hash_of(replicas[k]) == h;
-  std::uint64_t h0 = h;
-  MPI_Bcast(&h0, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  if (!on_every_rank(same && h == h0)) {
+  if (!on_every_rank(same && h == processes::from_rank_0(h))) {
     std::fprintf(stderr, "rank %d: FAILED: the replicas' parameters or buffers differ between replicas or ranks\n",
                  rank);
     return std::nullopt;
@@ -240,19 +232,5 @@ int run(int argc, char** argv, int rank, int ranks) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int provided = 0;
-  // mpi_data_parallel's worker thread calls MPI, one call at a time with the main thread.
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
-  int rank = 0, ranks = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &ranks);
-  int code = 1;
-  try {
-    code = run(argc, argv, rank, ranks);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  MPI_Finalize();
-  return code;
+  return processes::run([&](int rank, int ranks) { return run(argc, argv, rank, ranks); });
 }
