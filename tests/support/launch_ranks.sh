@@ -2,7 +2,7 @@
 # launch_ranks.sh <ranks> <file|tcp> <program> [argument...]: runs <ranks> copies of <program> the
 # torchrun way, as the c10d tests need: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, and either
 # GRADAVG_TEST_STORE (a FileStore's path in a fresh folder) or MASTER_ADDR=127.0.0.1 and a free
-# MASTER_PORT. Each copy is ended after GRADAVG_TEST_RANK_TIMEOUT seconds (default 240): a rank
+# MASTER_PORT (from 20000 to 31999). Each copy is ended after GRADAVG_TEST_RANK_TIMEOUT seconds (default 240): a rank
 # that hangs fails the run. Every rank's output is printed, rank by rank; the status is the
 # copies' own when they all end with the same (0, or 77: ctest's skip), else 1.
 set -u
@@ -16,7 +16,22 @@ if [ "$store" = file ]; then
   export GRADAVG_TEST_STORE="$folder/store"
 else
   export MASTER_ADDR=127.0.0.1
-  MASTER_PORT=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # A free port below Linux's ephemeral range (32768 and up), where the listening sockets of other
+  # gloo groups on this host (ephemeral ports) cannot take it before rank 0's store binds it.
+  MASTER_PORT=$(python3 -c '
+import random, socket
+while True:
+    port = random.randrange(20000, 32000)
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        print(port)
+        break
+    except OSError:
+        pass
+    finally:
+        s.close()
+')
   export MASTER_PORT
 fi
 pids=""
