@@ -1,7 +1,7 @@
 // gradavg::c10d over gloo against gloo's own allreduce, and libtorch's c10d_data_parallel against
 // backward alone, on ResNet-50 and BERT-base parameter layouts (model_shapes.hpp), float, one
 // tower (replica) per rank. One process per rank, started the torchrun way: torchrun
-// --nproc_per_node=2 --no-python, tests/support/launch_ranks.sh, or scripts/netlink.sh each (an
+// --nproc_per_node=2 --no_python, tests/support/launch_ranks.sh, or scripts/netlink.sh each (an
 // emulated link; GLOO_SOCKET_IFNAME names the rank's port). Methods, each timed once per round,
 // rounds interleaved (each round starts one method later):
 //   allreduce          the group's allreduce (SUM) of one flat tensor of the layout's floats, alone:

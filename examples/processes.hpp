@@ -1,7 +1,7 @@
 // The processes a cross-process example runs on, and the few calls it makes besides gradavg's:
 // MPI_COMM_WORLD (the default: gradavg/torch_mpi.hpp, started by mpiexec), or, built with
 // GRADAVG_EXAMPLE_C10D, a gloo c10d::ProcessGroup made the torchrun way (gradavg/torch_c10d.hpp,
-// started by torchrun --no-python or a shell loop that sets RANK, WORLD_SIZE, MASTER_ADDR and
+// started by torchrun --no_python or a shell loop that sets RANK, WORLD_SIZE, MASTER_ADDR and
 // MASTER_PORT). gradavg's calls take world() either way.
 #pragma once
 

@@ -13,7 +13,7 @@
 //
 //   mpiexec -n 2 train_torch_mpi --data digits.csv [--replicas 2] [--epochs 30] [--one-shot]
 //       [--compression none|bf16|fp16|int8|all] [--quiet]
-//   torchrun --nproc_per_node=2 --no-python train_torch_c10d --data digits.csv [...]
+//   torchrun --nproc_per_node=2 --no_python train_torch_c10d --data digits.csv [...]
 //   for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
 //       train_torch_c10d --data digits.csv & done; wait     (one shell line)
 //

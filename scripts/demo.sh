@@ -52,8 +52,11 @@ if [[ -x "$build/examples/train_torch_threads" ]]; then
     echo
     # The same over a gloo process group, started the torchrun way (a shell loop without torchrun).
     if command -v torchrun > /dev/null; then
-      echo "== examples/train_torch_processes.cpp as train_torch_c10d (torchrun --nproc_per_node=2 --no-python)"
-      torchrun --nproc_per_node=2 --no-python "$build/examples/train_torch_c10d" --data "$digits" --replicas 2 --quiet
+      echo "== examples/train_torch_processes.cpp as train_torch_c10d (torchrun --nproc_per_node=2 --no_python)"
+      # Debian 12's torchrun (PyTorch 1.13 under Python 3.11) fails on its own default --redirects 0
+      # and --tee 0: standard output is redirected to its log files and copied here.
+      torchrun --nproc_per_node=2 --redirects 1 --tee 1 --no_python "$build/examples/train_torch_c10d" \
+        --data "$digits" --replicas 2 --quiet
     else
       echo "== examples/train_torch_processes.cpp as train_torch_c10d (2 processes, RANK/WORLD_SIZE/MASTER_*)"
       sh tests/support/launch_ranks.sh 2 tcp "$build/examples/train_torch_c10d" --data "$digits" --replicas 2 --quiet

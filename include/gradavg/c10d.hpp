@@ -27,6 +27,7 @@
 #include <utility>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -44,7 +45,7 @@ namespace c10d {
 inline constexpr std::chrono::milliseconds default_timeout = std::chrono::minutes(5);
 
 /// Where this process sits in a job launched the torchrun way (torchrun --nproc_per_node=N
-/// --no-python ./train, or a shell loop that sets the same variables).
+/// --no_python ./train, or a shell loop that sets the same variables).
 struct launch {
   int rank = 0;              ///< RANK: 0 to world_size - 1
   int world_size = 1;        ///< WORLD_SIZE
@@ -52,6 +53,12 @@ struct launch {
   int local_world_size = 1;  ///< LOCAL_WORLD_SIZE (default: world_size)
   std::string master_addr;   ///< MASTER_ADDR: the host of rank 0's store
   std::uint16_t master_port = 0;  ///< MASTER_PORT
+  /// TORCHELASTIC_USE_AGENT_STORE=True (torchrun): torchrun's agent serves the store at
+  /// MASTER_ADDR:MASTER_PORT and every rank, rank 0 too, is its client; else rank 0 serves it.
+  bool agent_store = false;
+  /// TORCHELASTIC_RESTART_COUNT (torchrun's restarts of the job): each attempt meets under keys
+  /// of its own in the store, which outlives them.
+  int attempt = 0;
 };
 
 namespace shared_detail {
@@ -121,12 +128,18 @@ inline c10::intrusive_ptr<::c10d::ProcessGroup> gloo_group(const c10::intrusive_
   try {
     return c10::make_intrusive<::c10d::ProcessGroupGloo>(store, rank, world_size, how);
   } catch (...) {
-    std::string absent;
-    for (int r = 0; r < world_size; ++r)
-      if (!store->check({"gradavg/rank/" + std::to_string(r)}))
-        absent.append(absent.empty() ? "" : ", ").append(std::to_string(r));
-    rethrow_as_c10d_error(absent.empty() ? "making the gloo group" : "making the gloo group (never came: rank " + absent + ")",
-                          std::current_exception());
+    const std::exception_ptr failure = std::current_exception();
+    std::string what = "making the gloo group";
+    try {
+      std::string absent;
+      for (int r = 0; r < world_size; ++r)
+        if (!store->check({"gradavg/rank/" + std::to_string(r)}))
+          absent.append(absent.empty() ? "" : ", ").append(std::to_string(r));
+      if (!absent.empty()) what.append(" (never came: rank ").append(absent).append(")");
+    } catch (...) {
+      // The store is gone too: the group's own words say the rest.
+    }
+    rethrow_as_c10d_error(what, failure);
   }
 }
 
@@ -146,18 +159,24 @@ inline launch launch_from_environment() {
     throw c10d_error("gradavg::c10d: the environment variable MASTER_ADDR is not set (the host of rank 0)");
   l.master_addr = addr;
   l.master_port = static_cast<std::uint16_t>(shared_detail::environment_integer("MASTER_PORT", 1, 65535));
+  const char* agent = std::getenv("TORCHELASTIC_USE_AGENT_STORE");
+  l.agent_store = agent != nullptr && std::string_view(agent) == "True";
+  const long first = 0;
+  l.attempt = static_cast<int>(shared_detail::environment_integer("TORCHELASTIC_RESTART_COUNT", 0, 1 << 20, &first));
   return l;
 }
 
-/// A gloo process group for the job l: rank 0 serves a TCPStore at l.master_port, every rank
-/// meets there (c10d_error naming MASTER_ADDR:MASTER_PORT if it cannot within timeout), then the
+/// A gloo process group for the job l: rank 0 (or torchrun's agent: l.agent_store) serves a
+/// TCPStore at l.master_port, every rank meets there, under keys of l.attempt's own (c10d_error
+/// naming MASTER_ADDR:MASTER_PORT if it cannot within timeout), then the
 /// group (c10d_error if a world size differs from rank 0's, two processes claim one rank, or a
 /// rank does not come within timeout, naming them). GLOO_SOCKET_IFNAME picks the interfaces.
 inline c10::intrusive_ptr<::c10d::ProcessGroup> process_group(const launch& l,
                                                               std::chrono::milliseconds timeout = default_timeout) {
   ::c10d::TCPStoreOptions how;
   how.port = l.master_port;
-  how.isServer = l.rank == 0;
+  const bool serves = l.rank == 0 && !l.agent_store;
+  how.isServer = serves;
   how.numWorkers = static_cast<std::size_t>(l.world_size);
   how.waitWorkers = false;
   how.timeout = timeout;
@@ -165,12 +184,14 @@ inline c10::intrusive_ptr<::c10d::ProcessGroup> process_group(const launch& l,
   try {
     store = c10::make_intrusive<::c10d::TCPStore>(l.master_addr, how);
   } catch (...) {
-    shared_detail::rethrow_as_c10d_error((l.rank == 0 ? "serving the store at MASTER_ADDR:MASTER_PORT = "
-                                                       : "reaching the store at MASTER_ADDR:MASTER_PORT = ") +
+    shared_detail::rethrow_as_c10d_error((serves ? "serving the store at MASTER_ADDR:MASTER_PORT = "
+                                                 : "reaching the store at MASTER_ADDR:MASTER_PORT = ") +
                                              l.master_addr + ":" + std::to_string(l.master_port),
                                          std::current_exception());
   }
-  return shared_detail::gloo_group(store, l.rank, l.world_size, timeout);
+  const auto attempt = c10::make_intrusive<::c10d::PrefixStore>("gradavg/attempt_" + std::to_string(l.attempt),
+                                                                 std::move(store));
+  return shared_detail::gloo_group(attempt, l.rank, l.world_size, timeout);
 }
 
 /// process_group(launch_from_environment(), timeout): the torchrun way in one call.

@@ -124,18 +124,8 @@ struct exchange_options {
   workspace* work = nullptr;
 };
 
-/// gradavg::options' groups, with the same meaning, plus how the buckets move between ranks.
-/// Every rank passes the same values, except compute.weights (one per local tower), run and
-/// check (each rank's own) and exchange.work.
-struct options {
-  compute_options compute = {};
-  run_options run = {};
-  check_options check = {};
-  exchange_options exchange = {};
-
-  /// The groups a one-process call takes.
-  [[nodiscard]] gradavg::options local() const noexcept { return {compute, run, check}; }
-};
+/// gradavg::options' groups and exchange_options (gradavg::process_options).
+using options = gradavg::process_options<exchange_options>;
 
 }  // namespace mpi
 }  // namespace gradavg

@@ -207,6 +207,21 @@ struct options {
   check_options check = {};
 };
 
+/// The options of a call across processes (gradavg::mpi::options, gradavg::c10d::options):
+/// gradavg::options' groups, with the same meaning, plus how the buckets move between ranks
+/// (Exchange: the transport's exchange_options). Every rank passes the same values, except
+/// compute.weights (one per local tower), run and check (each rank's own) and exchange.work.
+template <class Exchange>
+struct process_options {
+  compute_options compute = {};
+  run_options run = {};
+  check_options check = {};
+  Exchange exchange = {};
+
+  /// The groups a one-process call takes.
+  [[nodiscard]] options local() const noexcept { return {compute, run, check}; }
+};
+
 /// Tag for the allocating calls that also return the means over towers of the squared gradients
 /// (the seed's include_square=True): average_gradients(tower_grads, gradavg::include_square).
 /// Not constructible from {}, so that average_gradients(tower_grads, {}) means the options.

@@ -29,6 +29,7 @@
 #include <thread>
 #include <vector>
 
+#include "c10d_world.hpp"
 #include "catch.hpp"
 #include "reference.hpp"
 #include "support.hpp"
@@ -40,18 +41,8 @@ using namespace gradavg_test;
 using gradavg::compression;
 using gradavg::output_mode;
 
-/// The group the cases share, made once from the launcher's variables.
-c10::intrusive_ptr<::c10d::ProcessGroup> make_group(const std::string& suffix, std::chrono::milliseconds timeout) {
-  if (const char* path = std::getenv("GRADAVG_TEST_STORE"))
-    return gradavg::c10d::process_group_over_file(path + suffix, std::atoi(std::getenv("RANK")),
-                                                  std::atoi(std::getenv("WORLD_SIZE")), timeout);
-  return gradavg::c10d::process_group_from_environment(timeout);
-}
-
-::c10d::ProcessGroup& group() {
-  static const auto shared = make_group("", std::chrono::seconds(60));
-  return *shared;
-}
+/// The group the cases share (support/c10d_world.hpp).
+::c10d::ProcessGroup& group() { return world(); }
 
 int rank() { return group().getRank(); }
 int ranks() { return group().getSize(); }
@@ -67,14 +58,6 @@ gradavg::c10d::options c10d_options_of(const thread_options& t) {
   o.exchange.residual = t.exchange.residual;
   o.exchange.seed = t.exchange.seed;
   return o;
-}
-
-template <class S>
-bool same_outputs(const std::vector<vector_of<S>>& a, const std::vector<vector_of<S>>& b) {
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || !same_bits(a[i].data(), b[i].data(), static_cast<std::size_t>(a[i].size())))
-      return false;
-  return a.size() == b.size();
 }
 
 /// Every rank's results with options_of(rank) over the transport of threads (one process), and
@@ -279,7 +262,7 @@ namespace {
 
 /// A fault case's own group (a FileStore beside the launcher's), short timeout: 3 s.
 c10::intrusive_ptr<::c10d::ProcessGroup> fault_group(const char* name) {
-  return make_group(std::string(".") + name, std::chrono::seconds(3));
+  return environment_group(std::string(".") + name, std::chrono::seconds(3));
 }
 
 /// The surviving ranks' call: a c10d_error that names the library, not a hang. One variable of
@@ -425,4 +408,65 @@ TEST_CASE("c10d launch: a world size unlike rank 0's, two processes with one ran
     for (const auto& message : m) CHECK_THAT(message, Catch::Matchers::Contains("never came: rank 2"));
     std::filesystem::remove(path);
   }
+}
+
+TEST_CASE("c10d launch: under torchrun's agent store every rank is a client, and each restart meets under keys of "
+          "its own",
+          "[launch]") {
+  // The agent: a TCPStore server at a free port, as torchrun's agent serves one.
+  const std::uint16_t port = closed_port();
+  ::c10d::TCPStoreOptions serving;
+  serving.port = port;
+  serving.isServer = true;
+  serving.waitWorkers = false;
+  const auto agent = c10::make_intrusive<::c10d::TCPStore>("127.0.0.1", serving);
+  for (int attempt : {0, 1}) {
+    INFO("attempt " << attempt);
+    std::vector<c10::intrusive_ptr<::c10d::ProcessGroup>> made(2);
+    std::vector<std::function<void()>> makers;
+    for (int r = 0; r < 2; ++r)
+      makers.push_back([&, r] {
+        gradavg::c10d::launch l;
+        l.rank = r;
+        l.world_size = 2;
+        l.master_addr = "127.0.0.1";
+        l.master_port = port;
+        l.agent_store = true;
+        l.attempt = attempt;
+        made[static_cast<std::size_t>(r)] = gradavg::c10d::process_group(l, std::chrono::seconds(10));
+      });
+    const auto m = make_groups(makers);
+    CHECK(m[0].empty());
+    CHECK(m[1].empty());
+    // The two ranks reduce over the group they made.
+    std::vector<std::uint64_t> sums(2);
+    std::vector<std::thread> ranks_threads;
+    for (int r = 0; r < 2 && m[0].empty() && m[1].empty(); ++r)
+      ranks_threads.emplace_back([&, r] {
+        std::uint64_t word = static_cast<std::uint64_t>(r) + 5;
+        gradavg::c10d::detail::reduce_words(*made[static_cast<std::size_t>(r)], &word, 1, ::c10d::ReduceOp::MAX);
+        sums[static_cast<std::size_t>(r)] = word;
+      });
+    for (auto& t : ranks_threads) t.join();
+    if (m[0].empty() && m[1].empty()) CHECK((sums[0] == 6 && sums[1] == 6));
+  }
+}
+
+TEST_CASE("c10d launch: TORCHELASTIC_USE_AGENT_STORE and TORCHELASTIC_RESTART_COUNT are read", "[launch]") {
+  setenv("RANK", "0", 1), setenv("WORLD_SIZE", "2", 1), setenv("MASTER_ADDR", "127.0.0.1", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  unsetenv("TORCHELASTIC_USE_AGENT_STORE"), unsetenv("TORCHELASTIC_RESTART_COUNT");
+  gradavg::c10d::launch l = gradavg::c10d::launch_from_environment();
+  CHECK_FALSE(l.agent_store);
+  CHECK(l.attempt == 0);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1), setenv("TORCHELASTIC_RESTART_COUNT", "3", 1);
+  l = gradavg::c10d::launch_from_environment();
+  CHECK(l.agent_store);
+  CHECK(l.attempt == 3);
+  setenv("TORCHELASTIC_RESTART_COUNT", "x", 1);
+  CHECK_THAT(message_of<gradavg::c10d_error>([] { (void)gradavg::c10d::launch_from_environment(); }),
+             Catch::Matchers::Contains("TORCHELASTIC_RESTART_COUNT is \"x\""));
+  for (const char* name : {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE",
+                           "TORCHELASTIC_RESTART_COUNT"})
+    unsetenv(name);
 }

@@ -43,14 +43,6 @@ std::vector<rank_result<S>> means_on_ranks(const std::vector<towers_of<S>>& towe
   });
 }
 
-template <class S>
-bool same_outputs(const std::vector<vector_of<S>>& a, const std::vector<vector_of<S>>& b) {
-  for (std::size_t i = 0; i < a.size(); ++i)
-    if (a[i].size() != b[i].size() || !same_bits(a[i].data(), b[i].data(), static_cast<std::size_t>(a[i].size())))
-      return false;
-  return true;
-}
-
 /// A value's bits (floats and doubles).
 template <class S>
 std::uint64_t bits_of(S x) {

@@ -214,6 +214,16 @@ std::vector<towers_of<S>> one_tower_per_rank(int ranks, std::uint32_t seed, cons
   return all;
 }
 
+/// Whether two lists of outputs hold the same variables' sizes and bits.
+template <class S>
+bool same_outputs(const std::vector<vector_of<S>>& a, const std::vector<vector_of<S>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || !same_bits(a[i].data(), b[i].data(), static_cast<std::size_t>(a[i].size())))
+      return false;
+  return true;
+}
+
 /// The variables' values end to end.
 template <class S>
 std::vector<S> flat(const std::vector<vector_of<S>>& variables) {
