@@ -32,11 +32,12 @@ summary average_into(Transport& wire, gradavg::shared_detail::process_buffers& w
   using G = gradient_tensor_t<TG>;
   using OT = output_tensor_t<Means&>;
   // A refusal before the first collective takes part in it (every rank throws).
-  if (!prior && opts.exchange.feedback != error_feedback::off)
-    prior = std::make_exception_ptr(option_error(
-        std::string(Transport::caller) +
-        ": options.exchange.feedback is kept: only the libtorch module helpers keep residuals (one per bucket); a "
-        "direct call takes its residual in options.exchange.residual"));
+  if (!prior && opts.exchange.feedback != error_feedback::off) {
+    std::string message = Transport::caller;  // appended: GCC 12 warns on operator+ temporaries here
+    message.append(": options.exchange.feedback is kept: only the libtorch module helpers keep residuals (one per "
+                   "bucket); a direct call takes its residual in options.exchange.residual");
+    prior = std::make_exception_ptr(option_error(message));
+  }
   static_assert(gradients_outlive_reads<TG>, GRADAVG_LIFETIME_MESSAGE_);
   static_assert(dynamic_tensor<G> || supported_scalar<tensor_value_t<G>>,
                 "gradavg: gradient elements must be " GRADAVG_ELEMENT_TYPES_MESSAGE_);
