@@ -47,6 +47,12 @@ class unsupported_tensor_error : public error {
   using error::error;
 };
 
+/// A row-sparse gradient's index (sparse_types.hpp) that names no row of its dense shape: negative,
+/// or not below the dense shape's first dimension.
+class index_error : public error {
+  using error::error;
+};
+
 /// A variable's gradient is absent on some towers but present on others.
 class missing_gradient_error : public error {
   using error::error;

@@ -22,6 +22,7 @@
 #include "layout_proof.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
+#include "../sparse_types.hpp"
 #include "../tensor.hpp"
 
 namespace gradavg {
@@ -63,7 +64,8 @@ template <class T>
 struct is_optional<std::optional<T>> : std::true_type {};
 
 /// A slot whose tensor's elements live elsewhere, so a pointer to them outlives the slot: a raw
-/// pointer, a std::reference_wrapper, a view tensor (tensor_traits<T>::view), or an optional of one.
+/// pointer, a std::reference_wrapper, a view tensor (tensor_traits<T>::view) or row-sparse view
+/// (sparse_traits<T>::view), or an optional of one.
 template <class S>
 constexpr bool borrowed_slot() {
   if constexpr (std::is_pointer_v<S> || is_reference_wrapper<S>::value)
@@ -72,6 +74,8 @@ constexpr bool borrowed_slot() {
     return borrowed_slot<typename S::value_type>();
   else if constexpr (tensor<S>)
     return view_tensor<S>;
+  else if constexpr (sparse_tensor<S>)
+    return requires { requires sparse_traits<S>::view; };
   else
     return false;  // smart pointers and other holders may own the tensor
 }

@@ -90,14 +90,14 @@ template <class TG>
       i);
 }
 
-/// Throws the first of variable_mismatch_error, missing_gradient_error, shape_error that
-/// variable i has, in that order of precedence.
+/// Throws variable_mismatch_error when variable i differs between towers (variable_traits::same,
+/// where the variable type has it).
 template <class TG>
-void validate_variable(const TG& tg, std::size_t i) {
+void check_same_variable(const TG& tg, std::size_t i) {
   using V = variable_t<TG>;
   using E = entry_t<TG>;
-  const std::size_t tower_count = std::ranges::size(tg);
   if constexpr (comparable_variable<V>) {
+    const std::size_t tower_count = std::ranges::size(tg);
     bool all_same = true;
     with_entry(tg, 0, i, [&](const E& e0) {
       auto&& v0 = entry_traits<E>::variable(e0);
@@ -107,16 +107,22 @@ void validate_variable(const TG& tg, std::size_t i) {
     });
     if (!all_same) throw_variable_mismatch(tg, i);
   }
+}
 
+/// Whether variable i's gradient is present (present(k): on tower k): true on every tower, false
+/// on none (the variable is skipped); missing_gradient_error, naming the towers, on some only.
+template <class TG, class Present>
+bool check_presence(const TG& tg, std::size_t i, Present&& present_on) {
+  const std::size_t tower_count = std::ranges::size(tg);
   std::size_t present = 0;
-  for (std::size_t k = 0; k < tower_count; ++k) present += read_gradient(tg, k, i).present ? 1 : 0;
-  if (present == 0) return;  // skipped: absent on every tower
+  for (std::size_t k = 0; k < tower_count; ++k) present += present_on(k) ? 1 : 0;
+  if (present == 0) return false;
   if (present != tower_count) {
     constexpr std::size_t max_listed = 16;
     std::size_t absent_towers[max_listed]{}, present_towers[max_listed]{};
     std::size_t absent_listed = 0, present_listed = 0;
     for (std::size_t k = 0; k < tower_count; ++k) {
-      if (read_gradient(tg, k, i).present) {
+      if (present_on(k)) {
         if (present_listed < max_listed) present_towers[present_listed++] = k;
       } else if (absent_listed < max_listed) {
         absent_towers[absent_listed++] = k;
@@ -131,6 +137,16 @@ void validate_variable(const TG& tg, std::size_t i) {
             std::to_string(tower_count) + " towers); a gradient must be present on every tower or on none",
         i);
   }
+  return true;
+}
+
+/// Throws the first of variable_mismatch_error, missing_gradient_error, shape_error that
+/// variable i has, in that order of precedence.
+template <class TG>
+void validate_variable(const TG& tg, std::size_t i) {
+  const std::size_t tower_count = std::ranges::size(tg);
+  check_same_variable(tg, i);
+  if (!check_presence(tg, i, [&](std::size_t k) { return read_gradient(tg, k, i).present; })) return;  // skipped
 
   const shape s0 = read_gradient(tg, 0, i).dims;
   for (std::size_t k = 0; k < tower_count; ++k) {

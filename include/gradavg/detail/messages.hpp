@@ -74,7 +74,7 @@ void rethrow_located(const TG& tg, std::size_t i, const std::string& what) {
     if (e.variable_index() != error::npos) throw;
     std::string message = e.what();
     if (message.rfind("gradavg: ", 0) == 0) message.erase(0, 9);
-    throw_same_type<weight_error, option_error, tower_error, shape_error, element_type_error, unsupported_tensor_error,
+    throw_same_type<weight_error, option_error, tower_error, shape_error, index_error, element_type_error, unsupported_tensor_error,
                     missing_gradient_error, variable_mismatch_error, output_error, aliasing_error>(
         e, describe_variable_at(tg, i) + ": " + what + ": " + message, i);
   }
