@@ -71,7 +71,9 @@
 
 #include "average.hpp"
 #include "detail/mpi/call.hpp"
+#include "detail/processes/sparse.hpp"
 #include "mpi_options.hpp"
+#include "sparse.hpp"
 
 namespace gradavg {
 namespace mpi {
@@ -134,6 +136,30 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, c
                                                        return detail::average_into(comm, tower_grads, means, squares,
                                                                                    opts, prior);
                                                      });
+}
+
+/// Row-sparse gradients (sparse.hpp) across the ranks of comm: every rank receives the mean over
+/// the towers of every rank, dense or coalesced as its outputs say, the same bits on every rank
+/// (detail/processes/sparse.hpp: each rank's sums, then every rank's listed rows to every rank,
+/// added in rank order). Plain mean and squares only (option_error otherwise). Collective, with
+/// this file's error contract.
+template <sparse_tower_gradients TG, class Means>
+  requires gradavg::detail::sparse_output_range<Means&>
+summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, const mpi::options& opts = {}) {
+  return detail::over_mpi(comm, opts, [&](detail::transport& wire, shared_detail::buffers&) {
+    return gradavg::detail::processes::average_sparse_across(wire, tower_grads, means, gradavg::detail::no_squares,
+                                                             opts, nullptr);
+  });
+}
+
+/// As above, and the means of squares.
+template <sparse_tower_gradients TG, class Means, class Squares>
+  requires gradavg::detail::sparse_output_range<Means&> && gradavg::detail::sparse_output_range<Squares&>
+summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, Squares&& squares,
+                               const mpi::options& opts = {}) {
+  return detail::over_mpi(comm, opts, [&](detail::transport& wire, shared_detail::buffers&) {
+    return gradavg::detail::processes::average_sparse_across(wire, tower_grads, means, &squares, opts, nullptr);
+  });
 }
 
 /// After sharded averaging (output_mode::sharded) and an update of each rank's shard: every

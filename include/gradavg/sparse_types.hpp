@@ -160,6 +160,13 @@ struct sparse_scratch {
     std::size_t tower;
     std::size_t position;
   };
+  /// The table rows of the index rows that `listing` towers list (blocks[listing]): each reads
+  /// `towers` buffers (a row of zeros first, unless every tower lists the row).
+  struct block {
+    std::size_t rows, elements, towers;
+    std::size_t first_row, first_slot;  // in elements and in firsts
+    std::size_t next;                   // the next row to fill
+  };
   /// A buffer the overlap check sorts: a gradient's indices or values, or an output.
   struct tagged_bytes {
     const std::byte* first;
@@ -173,7 +180,9 @@ struct sparse_scratch {
   std::vector<std::size_t> starts;         // counting order: per dense row, its first entry
   std::vector<entry> entries;              // every values row, by (variable, row, tower, position)
   std::vector<std::size_t> first_entry;    // per variable, and one past the last
-  std::vector<std::size_t> first_row;      // per variable: its first row in the table, and the end
+  std::vector<std::size_t> first_row;      // per variable: its first row in index order, and the end
+  std::vector<std::size_t> groups;         // per row of one variable, in index order: its first entry
+  std::vector<block> blocks;               // per count of towers listing a row
   std::vector<const std::byte*> values;    // per tower: the variable's first values element
   std::vector<const std::byte*> firsts;    // the table the kernel reads (buffer_table)
   std::vector<std::size_t> elements;
@@ -183,10 +192,12 @@ struct sparse_scratch {
 
   [[nodiscard]] std::size_t capacity_bytes() const noexcept {
     return present.capacity() + dense.capacity() * sizeof(shape) +
-           (starts.capacity() + first_entry.capacity() + first_row.capacity() + elements.capacity()) *
+           (starts.capacity() + first_entry.capacity() + first_row.capacity() + groups.capacity() +
+            elements.capacity()) *
                sizeof(std::size_t) +
            entries.capacity() * sizeof(entry) + (values.capacity() + firsts.capacity()) * sizeof(const std::byte*) +
-           bytes.capacity() + rows.capacity() * sizeof(variable_statistics) + ranges.capacity() * sizeof(tagged_bytes);
+           bytes.capacity() + rows.capacity() * sizeof(variable_statistics) + ranges.capacity() * sizeof(tagged_bytes) +
+           blocks.capacity() * sizeof(block);
   }
 };
 

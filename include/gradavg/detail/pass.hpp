@@ -83,7 +83,8 @@ template <class S, class Acc, class O>
 class pass_run {
  public:
   pass_run(std::size_t variable_count, std::size_t tower_count, const pass_table& table, bool with_squares,
-           const options& opts) {
+           const options& opts, double divisor) {
+    divisor_ = divisor;
     walk_.variables = variable_count;
     walk_.towers = tower_count;
     walk_.table = table;
@@ -111,7 +112,7 @@ class pass_run {
     if (n == 0) return result;
 
     const compute_options& c = opts.compute;
-    w.divisor = static_cast<Acc>(weight_sum(c.weights, w.towers));
+    w.divisor = static_cast<Acc>(divisor_ > 0 ? divisor_ : weight_sum(c.weights, w.towers));
     // validate_options: the scale and every weight times it are representable in Acc.
     w.params = {c.weights.empty() ? nullptr : c.weights.data(), c.scale, static_cast<Acc>(c.scale),
                 c.on_nonfinite != nonfinite_policy::ignore, c.statistics};
@@ -156,22 +157,25 @@ class pass_run {
   }
 
   segment_walk<S, Acc, O> walk_;
+  double divisor_ = 0;
   segment_record records_[max_segments];  // fused only
 };
 
 /// Runs the kernel over every variable of table, summing in Acc and writing O.
 /// The elements of options.compute.range form one flat range, split into contiguous chunks of whole
 /// segments (one chunk per thread): each chunk walks the variables it covers, so small variables
-/// share a fork/join.
+/// share a fork/join. divisor: what the sums are divided by where the plain pass reads fewer towers
+/// than the call has (the rows of a row-sparse call); 0: the weights' sum, or tower_count.
 template <class S, class Acc, class O>
 pass_result average_pass(std::size_t variable_count, std::size_t tower_count, const pass_table& table,
-                         bool with_squares, const options& opts) {
-  return pass_run<S, Acc, O>(variable_count, tower_count, table, with_squares, opts).run();
+                         bool with_squares, const options& opts, double divisor = 0) {
+  return pass_run<S, Acc, O>(variable_count, tower_count, table, with_squares, opts, divisor).run();
 }
 
 /// average_pass for each of GRADAVG_KERNEL_INSTANCES_ (kernel.hpp; see kernels.hpp).
 #define GRADAVG_PASS_INSTANCE_(S, Acc, O) \
-  template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_table&, bool, const options&);
+  template pass_result average_pass<S, Acc, O>(std::size_t, std::size_t, const pass_table&, bool, const options&, \
+                                               double);
 #define GRADAVG_EXTERN_PASS_INSTANCE_(S, Acc, O) extern GRADAVG_PASS_INSTANCE_(S, Acc, O)
 
 #if defined(GRADAVG_EXTERN_KERNELS)  // see kernel.hpp

@@ -32,11 +32,17 @@ GRADAVG_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 using sparse_entry = shared_detail::sparse_scratch::entry;
+using sparse_block = shared_detail::sparse_scratch::block;
 
 /// Dense rows up to this multiple of the values rows (plus a constant) are ordered by counting;
 /// more (a huge vocabulary, few rows touched) by sorting.
 inline constexpr std::size_t counting_rows_per_entry = 8;
 inline constexpr std::size_t counting_rows_extra = std::size_t{1} << 16;
+
+/// Whether a variable of `rows` dense rows and n values rows in all is ordered by counting.
+constexpr bool counted_order(std::size_t rows, std::size_t n) noexcept {
+  return rows <= counting_rows_per_entry * n + counting_rows_extra;
+}
 
 /// Orders entries [first, first + n) of one variable by (row, tower, position). They were appended
 /// tower by tower, position by position, so a stable counting sort over rows keeps that order.
@@ -44,7 +50,7 @@ inline void order_entries(std::vector<sparse_entry>& entries, std::size_t first,
                           std::vector<std::size_t>& starts) {
   const std::size_t n = entries.size() - first;
   auto e = std::span<sparse_entry>(entries).subspan(first);
-  if (rows > counting_rows_per_entry * n + counting_rows_extra) {
+  if (!counted_order(rows, n)) {
     std::sort(e.begin(), e.end(), [](const sparse_entry& a, const sparse_entry& b) {
       return a.row != b.row ? a.row < b.row : a.tower != b.tower ? a.tower < b.tower : a.position < b.position;
     });
@@ -205,171 +211,312 @@ void check_sparse_overlaps(const TG& tg, Means& means, Squares* squares, shared_
 }
 
 /// average_gradients_into over row-sparse gradients read as S into outputs of O (sparse.hpp's
-/// contract), with w's scratch: every check, then the table, then the pass.
+/// contract), with w's scratch, in phases: every check (check), the rows' order and the tables'
+/// sizes (order), the tables and the rows no tower lists (lay_out), the pass (run). divisor: what
+/// the plain pass divides the sums by (0: the tower count; 1: the sums themselves, for the calls
+/// across processes).
 template <class S, class O, class TG, class Means, class Squares>
-summary average_sparse_typed(const TG& tg, Means& means, Squares* squares, const options& opts,
-                             shared_detail::sparse_scratch& w) {
-  constexpr bool with_squares = outputs_passed<Squares>;
-  const std::size_t variables = validate_tower_counts(tg), towers = std::ranges::size(tg);
+class sparse_call {
+ public:
+  static constexpr bool with_squares = outputs_passed<Squares>;
 
-  // ---- Checks: gradients, outputs, options, overlaps, indices (nothing written before the end).
-  w.present.assign(variables, 0);
-  w.dense.assign(variables, shape{});
-  std::size_t averaged = 0, dense_elements = 0;
-  for (std::size_t i = 0; i < variables; ++i) {
-    if (!check_sparse_variable(tg, i, w.dense[i])) continue;
-    w.present[i] = 1;
-    ++averaged;
-    dense_elements += w.dense[i].size();
+  sparse_call(const TG& tg, Means& means, Squares* squares, const options& opts, shared_detail::sparse_scratch& w,
+              double divisor)
+      : tg_(tg), opts_(opts), w_(w), divisor_(divisor), means_{&means} {
+    if constexpr (with_squares) squares_.outputs = squares;
   }
-  check_sparse_outputs(tg, means, w.present, w.dense, "means");
-  if constexpr (with_squares) check_sparse_outputs(tg, *squares, w.present, w.dense, "squares");
-  validate_options(opts, towers, variables, accumulator_max<S>(opts));
-  if (opts.compute.range.begin != 0 || opts.compute.range.end != element_range{}.end)
-    throw option_error("gradavg: options.compute.range: row-sparse gradients are averaged whole");
-  if (opts.check.aliasing != alias_check::none) check_sparse_overlaps(tg, means, squares, w);
 
-  // Every values row as an entry, ordered by (row, tower, position) within its variable; the
-  // indices checked on the way. Then the table's size: one row per distinct index.
-  w.entries.clear();
-  w.first_entry.assign(variables + 1, 0);
-  w.first_row.assign(variables + 1, 0);
-  std::size_t table_rows = 0, total = 0, summed = 0, widest = 0;
-  for (std::size_t i = 0; i < variables; ++i) {
-    w.first_entry[i] = w.entries.size();
-    w.first_row[i] = table_rows;
-    if (!w.present[i]) continue;
-    for (std::size_t k = 0; k < towers; ++k) {
-      const auto g = read_sparse(tg, k, i);
-      check_sparse_indices(tg, i, k, g);
-      for (std::size_t n = 0; n < g.indices.size(); ++n)
-        w.entries.push_back({static_cast<std::uint64_t>(g.indices[n]), k, n});
+  summary operator()() {
+    check();
+    order();
+    lay_out();
+    return run();
+  }
+
+ private:
+  using square_rows_t = sparse_output_rows<std::conditional_t<with_squares, Squares, Means>, O>;
+
+  /// Gradients, outputs, options, overlaps (the indices: order()); nothing written.
+  void check() {
+    variables_ = validate_tower_counts(tg_);
+    towers_ = std::ranges::size(tg_);
+    w_.present.assign(variables_, 0);
+    w_.dense.assign(variables_, shape{});
+    for (std::size_t i = 0; i < variables_; ++i) {
+      if (!check_sparse_variable(tg_, i, w_.dense[i])) continue;
+      w_.present[i] = 1;
+      ++averaged_;
+      dense_elements_ += w_.dense[i].size();
     }
-    order_entries(w.entries, w.first_entry[i], static_cast<std::size_t>(w.dense[i].dims[0]), w.starts);
-    const std::size_t length = row_length_of(w.dense[i]);
-    widest = std::max(widest, length);
-    for (std::size_t e = w.first_entry[i]; e < w.entries.size();) {
-      const std::uint64_t row = w.entries[e].row;
-      ++table_rows;
-      total += length;
-      while (e < w.entries.size() && w.entries[e].row == row) {
-        const std::size_t first = e, tower = w.entries[e].tower;
-        while (e < w.entries.size() && w.entries[e].row == row && w.entries[e].tower == tower) ++e;
-        if (e - first > 1) summed += length;
+    check_sparse_outputs(tg_, *means_.outputs, w_.present, w_.dense, "means");
+    if constexpr (with_squares) check_sparse_outputs(tg_, *squares_.outputs, w_.present, w_.dense, "squares");
+    validate_options(opts_, towers_, variables_, accumulator_max<S>(opts_));
+    if (opts_.compute.range.begin != 0 || opts_.compute.range.end != element_range{}.end)
+      throw option_error("gradavg: options.compute.range: row-sparse gradients are averaged whole");
+    if (opts_.check.aliasing != alias_check::none) check_sparse_overlaps(tg_, *means_.outputs, squares_ptr(), w_);
+    fused_ = fused_requested(opts_);
+  }
+
+  auto* squares_ptr() const {
+    if constexpr (with_squares)
+      return squares_.outputs;
+    else
+      return no_squares;
+  }
+
+  /// The block of a row that `listing` towers list.
+  [[nodiscard]] std::size_t block_of(std::size_t listing) const noexcept { return fused_ ? towers_ : listing; }
+
+  /// Every values row as an entry, ordered by (row, tower, position) within its variable, the
+  /// indices checked on the way (index_error: still nothing written); then the tables' sizes: one
+  /// row per distinct index, in the block of the number of towers that list it.
+  void order() {
+    w_.entries.clear();
+    w_.first_entry.assign(variables_ + 1, 0);
+    w_.first_row.assign(variables_ + 1, 0);
+    w_.blocks.assign(towers_ + 1, {});
+    std::size_t distinct = 0;
+    for (std::size_t i = 0; i < variables_; ++i) {
+      w_.first_entry[i] = w_.entries.size();
+      w_.first_row[i] = distinct;
+      if (!w_.present[i]) continue;
+      for (std::size_t k = 0; k < towers_; ++k) {
+        const auto g = read_sparse(tg_, k, i);
+        check_sparse_indices(tg_, i, k, g);
+        for (std::size_t n = 0; n < g.indices.size(); ++n)
+          w_.entries.push_back({static_cast<std::uint64_t>(g.indices[n]), k, n});
+      }
+      order_entries(w_.entries, w_.first_entry[i], static_cast<std::size_t>(w_.dense[i].dims[0]), w_.starts);
+      const std::size_t length = row_length_of(w_.dense[i]);
+      widest_ = std::max(widest_, length);
+      for (std::size_t e = w_.first_entry[i]; e < w_.entries.size();) {
+        const std::uint64_t row = w_.entries[e].row;
+        std::size_t listing = 0;
+        while (e < w_.entries.size() && w_.entries[e].row == row) {
+          const std::size_t first = e, tower = w_.entries[e].tower;
+          while (e < w_.entries.size() && w_.entries[e].row == row && w_.entries[e].tower == tower) ++e;
+          if (e - first > 1) summed_ += length;
+          ++listing;
+        }
+        sparse_block& b = w_.blocks[block_of(listing)];
+        ++b.rows;
+        b.elements += length;
+        ++distinct;
       }
     }
+    w_.first_entry[variables_] = w_.entries.size();
+    w_.first_row[variables_] = distinct;
+    std::size_t slots = 0;
+    for (std::size_t c = 1; c <= towers_; ++c) {
+      sparse_block& b = w_.blocks[c];
+      // A row that some towers do not list reads one row of zeros, first, then theirs (the dense
+      // call's sum over densified gradients, whose zeros count only for the sign of a zero: x + 0
+      // is x for every x but -0); one that every tower lists reads each tower's. Fused: every
+      // tower's, zeros where it lists none (the weights meet every tower).
+      b.towers = c == towers_ || fused_ ? towers_ : c + 1;
+      b.first_row = b.next = table_rows_;
+      b.first_slot = slots;
+      table_rows_ += b.rows;
+      slots += b.rows * (b.towers + outputs);
+    }
+    w_.firsts.resize(slots);
+    w_.elements.resize(table_rows_);
   }
-  w.first_entry[variables] = w.entries.size();
-  w.first_row[variables] = table_rows;
 
-  // ---- Writing: the scratch, the coalesced outputs' sizes, the table, the rows no tower lists.
-  const std::size_t stride = towers + (with_squares ? 2 : 1);
-  w.firsts.resize(table_rows * stride);
-  w.elements.resize(table_rows);
-  constexpr std::size_t line = 64;
-  w.bytes.resize((widest + summed) * sizeof(S) + line);
-  S* const zeros = reinterpret_cast<S*>(w.bytes.data() + (line - reinterpret_cast<std::uintptr_t>(w.bytes.data()) % line) % line);
-  std::memset(static_cast<void*>(zeros), 0, widest * sizeof(S));
-  S* next_sum = zeros + widest;
-  w.values.resize(towers);
+  /// The scratch rows (zeros, sums of repeated indices), what the kernel gives for zeros, then
+  /// each variable's outputs and table rows.
+  void lay_out() {
+    constexpr std::size_t line = 64;
+    w_.bytes.resize((widest_ + summed_) * sizeof(S) + line);
+    const auto misalignment = reinterpret_cast<std::uintptr_t>(w_.bytes.data()) % line;
+    zeros_ = reinterpret_cast<S*>(w_.bytes.data() + (line - misalignment) % line);
+    std::memset(static_cast<void*>(zeros_), 0, widest_ * sizeof(S));
+    next_sum_ = zeros_ + widest_;
+    w_.values.resize(towers_);
+    with_accumulator<S>(opts_, [&]<class Acc>() {
+      const auto z = zero_row_results<Acc>(opts_, towers_);
+      zero_mean_ = static_cast<O>(z.first);
+      zero_square_ = static_cast<O>(z.second);
+    });
+    for (std::size_t i = 0; i < variables_; ++i)
+      if (w_.present[i]) lay_out_variable(i);
+  }
 
-  const sparse_output_rows<Means, O> mean_rows{&means};
-  sparse_output_rows<std::conditional_t<with_squares, Squares, Means>, O> square_rows{};
-  if constexpr (with_squares) square_rows.outputs = squares;
-  O zero_mean{}, zero_square{};
-  with_accumulator<S>(opts, [&]<class Acc>() {
-    const auto z = zero_row_results<Acc>(opts, towers);
-    zero_mean = static_cast<O>(z.first);
-    zero_square = static_cast<O>(z.second);
-  });
+  /// Variable i's outputs (sized, the rows no tower lists written, the coalesced indices) and
+  /// table rows.
+  void lay_out_variable(std::size_t i) {
+    constexpr std::size_t unplaced = static_cast<std::size_t>(-1);
+    const std::size_t length = row_length_of(w_.dense[i]), begin = w_.first_entry[i], end = w_.first_entry[i + 1];
+    const auto dense_rows = static_cast<std::uint64_t>(w_.dense[i].dims[0]);
+    for (std::size_t k = 0; k < towers_; ++k)
+      w_.values[k] = reinterpret_cast<const std::byte*>(read_sparse(tg_, k, i).values);
 
-  for (std::size_t i = 0; i < variables; ++i) {
-    if (!w.present[i]) continue;
-    const std::size_t rows = w.first_row[i + 1] - w.first_row[i], length = row_length_of(w.dense[i]);
-    const auto dense_rows = static_cast<std::uint64_t>(w.dense[i].dims[0]);
-    mean_rows.prepare(i, rows, w.dense[i]);
-    if constexpr (with_squares) square_rows.prepare(i, rows, w.dense[i]);
-    for (std::size_t k = 0; k < towers; ++k)
-      w.values[k] = reinterpret_cast<const std::byte*>(read_sparse(tg, k, i).values);
-    O* const mean_base = mean_rows.base(i);
+    // The rows in index order: the coalesced outputs' sizes and indices, the dense outputs' rows
+    // that no tower lists, each row's place in that order (and, where the dense rows can be
+    // mapped, the map from row to place).
+    const std::size_t rows = w_.first_row[i + 1] - w_.first_row[i];
+    means_.prepare(i, rows, w_.dense[i]);
+    if constexpr (with_squares) squares_.prepare(i, rows, w_.dense[i]);
+    O* const mean_base = means_.base(i);
     O* square_base = nullptr;
-    if constexpr (with_squares) square_base = square_rows.base(i);
+    if constexpr (with_squares) square_base = squares_.base(i);
+    const bool mapped = counted_order(static_cast<std::size_t>(dense_rows), end - begin);
+    if (mapped) w_.starts.assign(static_cast<std::size_t>(dense_rows), unplaced);
+    w_.groups.resize(rows);
     std::uint64_t next_row = 0;  // the dense rows before it are written
-    std::size_t ordinal = 0;
-    const std::size_t end = w.first_entry[i + 1];
-    for (std::size_t e = w.first_entry[i]; e < end; ++ordinal) {
-      const std::uint64_t row = w.entries[e].row;
-      const std::size_t t = w.first_row[i] + ordinal;
-      const std::byte** slot = w.firsts.data() + t * stride;
-      std::fill(slot, slot + towers, reinterpret_cast<const std::byte*>(zeros));
-      while (e < end && w.entries[e].row == row) {
-        const std::size_t first = e, tower = w.entries[e].tower;
-        while (e < end && w.entries[e].row == row && w.entries[e].tower == tower) ++e;
-        auto values_row = [&](std::size_t n) {
-          return reinterpret_cast<const S*>(w.values[tower]) + w.entries[n].position * length;
-        };
-        if (e - first == 1) {
-          slot[tower] = reinterpret_cast<const std::byte*>(values_row(first));
-          continue;
-        }
+    for (std::size_t e = begin, place = 0; e < end; ++place) {
+      const std::uint64_t row = w_.entries[e].row;
+      w_.groups[place] = e;
+      if (mapped) w_.starts[static_cast<std::size_t>(row)] = place;
+      while (e < end && w_.entries[e].row == row) ++e;
+      means_.fill(mean_base, next_row, row, length, zero_mean_);
+      means_.set_index(i, place, row);
+      if constexpr (with_squares) {
+        squares_.fill(square_base, next_row, row, length, zero_square_);
+        squares_.set_index(i, place, row);
+      }
+      next_row = row + 1;
+    }
+    means_.fill(mean_base, next_row, dense_rows, length, zero_mean_);
+    if constexpr (with_squares) squares_.fill(square_base, next_row, dense_rows, length, zero_square_);
+
+    // The table rows, in the order the towers list the rows (tower 0's in its order, then those
+    // tower 1 lists first, ...): the pass then reads each tower's values mostly forwards (with
+    // indices in random order, a third faster than in index order). In index order where the
+    // rows were ordered by sorting (no map).
+    auto table_row = [&](std::size_t place) {
+      std::size_t e = w_.groups[place], listing = 0;
+      const std::uint64_t row = w_.entries[e].row;
+      for (std::size_t f = e; f < end && w_.entries[f].row == row; ++f)
+        listing += f == e || w_.entries[f].tower != w_.entries[f - 1].tower ? 1 : 0;
+      sparse_block& b = w_.blocks[block_of(listing)];
+      const std::size_t t = b.next++;
+      const std::byte** slot = w_.firsts.data() + b.first_slot + (t - b.first_row) * (b.towers + outputs);
+      read_row(e, end, slot, b.towers, length);
+      w_.elements[t] = length;
+      slot[b.towers] = reinterpret_cast<const std::byte*>(means_.row(mean_base, place, row, length));
+      if constexpr (with_squares)
+        slot[b.towers + 1] = reinterpret_cast<const std::byte*>(squares_.row(square_base, place, row, length));
+    };
+    if (mapped) {
+      for (std::size_t k = 0; k < towers_; ++k)
+        for (const auto index : read_sparse(tg_, k, i).indices)
+          if (std::size_t& place = w_.starts[static_cast<std::size_t>(index)]; place != unplaced) {
+            const std::size_t p = place;
+            place = unplaced;
+            table_row(p);
+          }
+    } else {
+      for (std::size_t place = 0; place < rows; ++place) table_row(place);
+    }
+  }
+
+  /// The buffers a table row reads (slot[0, block_towers)) for the entries [e, end) of one index,
+  /// e left at the next index's: the towers' values rows, a row's sum where a tower repeats it,
+  /// the row of zeros.
+  void read_row(std::size_t& e, std::size_t end, const std::byte** slot, std::size_t block_towers,
+                std::size_t length) {
+    const auto* const zero_row = reinterpret_cast<const std::byte*>(zeros_);
+    const std::uint64_t index = w_.entries[e].row;
+    const bool every_tower = block_towers == towers_;
+    if (every_tower) std::fill(slot, slot + towers_, zero_row);
+    std::size_t next = 0;
+    if (!every_tower) slot[next++] = zero_row;
+    while (e < end && w_.entries[e].row == index) {
+      const std::size_t first = e, tower = w_.entries[e].tower;
+      while (e < end && w_.entries[e].row == index && w_.entries[e].tower == tower) ++e;
+      auto values_row = [&](std::size_t n) {
+        return reinterpret_cast<const S*>(w_.values[tower]) + w_.entries[n].position * length;
+      };
+      const S* read = values_row(first);
+      if (e - first > 1) {
         // densify's sum of the rows that repeat the index, in index order, in S.
-        S* sum = next_sum;
-        next_sum += length;
-        std::copy(values_row(first), values_row(first) + length, sum);
+        S* sum = next_sum_;
+        next_sum_ += length;
+        std::copy(read, read + length, sum);
         for (std::size_t n = first + 1; n < e; ++n) {
           const S* v = values_row(n);
           for (std::size_t j = 0; j < length; ++j) sum[j] = static_cast<S>(sum[j] + v[j]);
         }
-        slot[tower] = reinterpret_cast<const std::byte*>(sum);
+        read = sum;
       }
-      w.elements[t] = length;
-      mean_rows.fill(mean_base, next_row, row, length, zero_mean);
-      mean_rows.set_index(i, ordinal, row);
-      slot[towers] = reinterpret_cast<const std::byte*>(mean_rows.row(mean_base, ordinal, row, length));
-      if constexpr (with_squares) {
-        square_rows.fill(square_base, next_row, row, length, zero_square);
-        square_rows.set_index(i, ordinal, row);
-        slot[towers + 1] = reinterpret_cast<const std::byte*>(square_rows.row(square_base, ordinal, row, length));
-      }
-      next_row = row + 1;
+      slot[every_tower ? tower : next++] = reinterpret_cast<const std::byte*>(read);
     }
-    mean_rows.fill(mean_base, next_row, dense_rows, length, zero_mean);
-    if constexpr (with_squares) square_rows.fill(square_base, next_row, dense_rows, length, zero_square);
   }
 
-  // ---- The pass over the table; a fused call's per-row results folded into its variables.
-  const bool fused = fused_requested(opts);
-  options run = opts;
-  if (fused) {
-    w.rows.assign(table_rows, variable_statistics{});
-    run.compute.per_variable = w.rows;
-    if (run.compute.on_nonfinite == nonfinite_policy::zero) run.compute.on_nonfinite = nonfinite_policy::report;
+  /// The pass over each block; a fused call's per-row results folded into its variables. Rows
+  /// are stored as the caller's stores option says, and ordinarily where it leaves the choice
+  /// (store_policy::automatic): streamed, the scattered rows of a BERT-base embedding took a
+  /// quarter longer (gradavg_bench_sparse).
+  summary run() {
+    options run = opts_;
+    if (run.run.stores == store_policy::automatic) run.run.stores = store_policy::regular;
+    if (fused_) {
+      w_.rows.assign(table_rows_, variable_statistics{});
+      run.compute.per_variable = w_.rows;
+      if (run.compute.on_nonfinite == nonfinite_policy::zero) run.compute.on_nonfinite = nonfinite_policy::report;
+    }
+    pass_result pass;
+    for (std::size_t c = 1; c <= towers_; ++c) {
+      const sparse_block& b = w_.blocks[c];
+      if (b.rows == 0) continue;
+      const pass_table table{
+          buffer_table{w_.firsts.data() + b.first_slot, w_.elements.data() + b.first_row, b.towers + outputs},
+          b.elements};
+      pass = with_accumulator<S>(opts_, [&]<class Acc>() {
+        return average_pass<S, Acc, O>(b.rows, b.towers, table, with_squares, run,
+                                       fused_ ? 0.0 : divisor_ > 0 ? divisor_ : static_cast<double>(towers_));
+      });
+    }
+    if (fused_) pass = fold_rows();
+    return make_summary(averaged_, variables_ - averaged_, towers_, dense_elements_, pass, opts_);
   }
-  const pass_table table{buffer_table{w.firsts.data(), w.elements.data(), stride}, total};
-  pass_result pass = with_accumulator<S>(
-      opts, [&]<class Acc>() { return average_pass<S, Acc, O>(table_rows, towers, table, with_squares, run); });
-  if (fused) {
-    pass = {};
-    const compute_options& c = opts.compute;
-    for (std::size_t i = 0; i < variables; ++i) {
-      if (!w.present[i]) continue;
+
+  /// A fused call's per-row results (the one block's rows, each variable's together) folded into
+  /// its variables: non-finite flags, statistics, on_nonfinite zero.
+  pass_result fold_rows() {
+    pass_result pass;
+    const compute_options& c = opts_.compute;
+    for (std::size_t i = 0; i < variables_; ++i) {
+      if (!w_.present[i]) continue;
       piece_result r{false, 0, 0};
-      for (std::size_t t = w.first_row[i]; t < w.first_row[i + 1]; ++t) {
-        r.nonfinite = r.nonfinite || w.rows[t].nonfinite;
-        if (c.statistics) r.sum_mean_squared += w.rows[t].sum_mean_squared;
-        if (c.statistics) r.sum_mean_of_squares += w.rows[t].sum_mean_of_squares;
+      for (std::size_t t = w_.first_row[i]; t < w_.first_row[i + 1]; ++t) {
+        r.nonfinite = r.nonfinite || w_.rows[t].nonfinite;
+        if (c.statistics) r.sum_mean_squared += w_.rows[t].sum_mean_squared;
+        if (c.statistics) r.sum_mean_of_squares += w_.rows[t].sum_mean_of_squares;
       }
       if (c.on_nonfinite == nonfinite_policy::zero && r.nonfinite) {
-        mean_rows.zero(i, w.dense[i].size());
-        if constexpr (with_squares) square_rows.zero(i, w.dense[i].size());
+        means_.zero(i, w_.dense[i].size());
+        if constexpr (with_squares) squares_.zero(i, w_.dense[i].size());
       }
       finish_variable(c, i, r);
       pass.nonfinite += r.nonfinite ? 1 : 0;
       pass.sum_mean_squared += r.sum_mean_squared;
       pass.sum_mean_of_squares += r.sum_mean_of_squares;
     }
+    return pass;
   }
-  return make_summary(averaged, variables - averaged, towers, dense_elements, pass, opts);
+
+  static constexpr std::size_t outputs = with_squares ? 2 : 1;
+  const TG& tg_;
+  const options& opts_;
+  shared_detail::sparse_scratch& w_;
+  double divisor_;
+  sparse_output_rows<Means, O> means_;
+  square_rows_t squares_{};
+  std::size_t variables_ = 0, towers_ = 0, averaged_ = 0, dense_elements_ = 0;
+  bool fused_ = false;
+  std::size_t widest_ = 0, summed_ = 0, table_rows_ = 0;
+  S* zeros_ = nullptr;
+  S* next_sum_ = nullptr;
+  O zero_mean_{}, zero_square_{};
+};
+
+/// sparse_call's checks and pass as one call.
+template <class S, class O, class TG, class Means, class Squares>
+summary average_sparse_typed(const TG& tg, Means& means, Squares* squares, const options& opts,
+                             shared_detail::sparse_scratch& w, double divisor = 0) {
+  return sparse_call<S, O, TG, Means, Squares>(tg, means, squares, opts, w, divisor)();
 }
 
 }  // namespace detail
