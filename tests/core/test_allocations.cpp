@@ -3,11 +3,14 @@
 // (replaced_new.hpp) by one that counts, in every thread, while a window is open.
 #include <gradavg/eigen_thread_pool.hpp>
 #include <gradavg/gradavg.hpp>
+#include <gradavg/sparse.hpp>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
+#include <utility>
 #include <vector>
 
 #include "catch.hpp"
@@ -108,4 +111,37 @@ TEST_CASE("the fused step allocates nothing, on one thread or a pool") {
       CHECK(allocations_during([&] { gradavg::average_gradients_into(w.tg, means, with_pool); }) == 0);
     }
   }
+}
+
+TEST_CASE("row-sparse: with a workspace, a loop's calls allocate nothing once grown") {
+  // Three towers of a [500, 16] table, each listing 40 rows (repeats included), and a second
+  // variable; dense and coalesced outputs, on the calling thread and on a pool.
+  using G = gradavg::row_sparse<std::int64_t, float>;
+  std::vector<std::vector<std::int64_t>> indices(3);
+  std::vector<std::vector<float>> values(3);
+  std::vector<std::vector<std::pair<G, int>>> tg(3);
+  for (std::size_t k = 0; k < 3; ++k) {
+    for (std::int64_t n = 0; n < 40; ++n) indices[k].push_back((n * 37 + static_cast<std::int64_t>(k) * 11) % 500);
+    indices[k].push_back(indices[k][0]);
+    values[k].assign(indices[k].size() * 16, 0.5f + static_cast<float>(k));
+    const auto g = gradavg::rows_of<std::int64_t, float>(indices[k], values[k].data(), gradavg::shape::matrix(500, 16));
+    tg[k] = {{g, 0}, {g, 1}};
+  }
+  gradavg::sparse_workspace work;
+  std::vector<float> dense0(500 * 16), dense1(500 * 16);
+  std::vector<std::vector<float>*> dense{&dense0, &dense1};
+  gradavg::sparse_rows<std::int64_t, float> rows0, rows1, sq0, sq1;
+  std::vector<gradavg::sparse_rows<std::int64_t, float>*> coalesced{&rows0, &rows1}, squares{&sq0, &sq1};
+  gradavg::average_gradients_into(work, tg, dense);  // grows the workspace and the outputs
+  gradavg::average_gradients_into(work, tg, coalesced, squares);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(work, tg, dense); }) == 0);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(work, tg, coalesced, squares); }) == 0);
+  gradavg::options statistics;
+  std::vector<gradavg::variable_statistics> per_variable(2);
+  statistics.compute.statistics = true;
+  statistics.compute.per_variable = per_variable;
+  gradavg::average_gradients_into(work, tg, coalesced, squares, statistics);
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(work, tg, coalesced, squares, statistics); }) == 0);
+  // Without a workspace the call allocates its scratch.
+  CHECK(allocations_during([&] { gradavg::average_gradients_into(tg, dense); }) > 0);
 }

@@ -74,22 +74,11 @@ O start_value() {
   return static_cast<O>(-1234.5f);
 }
 
-/// x * x rounded to A before it is added (the kernel never fuses a multiply with an add; built
-/// with -march=native, the compiler may contract x * x + s into one).
-template <class A>
-A rounded_square(A x) {
-  volatile A p = x * x;
-  return p;
-}
-
-template <class S>
-using acc_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
-
 /// The plain mean and mean of squares of the densified towers, in scalar code: summed in tower
 /// order in the accumulator, divided by T, rounded once to O.
 template <class O, class I, class S>
 std::pair<std::vector<O>, std::vector<O>> scalar_reference(const sparse_variable<I, S>& v) {
-  using A = acc_t<S>;
+  using A = accumulator_of<S>;
   const std::size_t n = static_cast<std::size_t>(v.rows) * v.length, towers = v.towers.size();
   std::vector<A> sum(n, A(0)), squares(n, A(0));
   for (std::size_t k = 0; k < towers; ++k) {

@@ -59,24 +59,13 @@ std::vector<rows_of_tower<I, S>> towers_of_rank(int r, int ranks, std::int64_t r
   return towers;
 }
 
-/// x * x rounded to A before it is added (the kernel never fuses a multiply with an add; built
-/// with -march=native, the compiler may contract x * x + s into one).
-template <class A>
-A rounded_square(A x) {
-  volatile A p = x * x;
-  return p;
-}
-
-template <class S>
-using acc_t = std::conditional_t<std::is_same_v<S, double>, double, float>;
-
 /// The contract in scalar code: per rank, the sum in tower order of its densified towers (in the
 /// accumulator; a tower's repeated rows added in S first); over ranks, in rank order, with 0 for
 /// a rank that lists the row nowhere; divided by every rank's towers; rounded to O.
 template <class O, class I, class S>
 std::pair<std::vector<O>, std::vector<O>> expected(int ranks, std::int64_t rows, std::size_t length,
                                                    std::size_t listed, std::uint32_t seed, bool empty_last) {
-  using A = acc_t<S>;
+  using A = accumulator_of<S>;
   const std::size_t n = static_cast<std::size_t>(rows) * length;
   std::vector<A> total(n, A(0)), total_sq(n, A(0));
   std::size_t towers = 0;

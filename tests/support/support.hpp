@@ -11,6 +11,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -145,6 +146,19 @@ const S* random_slice(std::size_t n, std::uint32_t seed) {
   REQUIRE(n <= pool.size());
   const std::uint64_t h = (std::uint64_t{seed} + 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
   return pool.data() + (h >> 32) % (pool.size() - n + 1);
+}
+
+/// The type gradavg sums gradients of element type S in, by default: double for double, float
+/// for the others.
+template <class S>
+using accumulator_of = std::conditional_t<std::is_same_v<S, double>, double, float>;
+
+/// x * x rounded to A before it is added (the kernel never fuses a multiply with an add; built
+/// with -march=native, the compiler may contract x * x + s into one).
+template <class A>
+A rounded_square(A x) {
+  volatile A p = x * x;
+  return p;
 }
 
 }  // namespace gradavg_test

@@ -72,7 +72,11 @@ inline void order_entries(std::vector<sparse_entry>& entries, std::size_t first,
 /// kernel's operations in its order: products f_k * 0 (f_k = w_k scale, rounded to Acc), squares
 /// (f_k * 0) * (scale * 0), summed in tower order, divided by the weights' sum.
 template <class Acc>
-std::pair<Acc, Acc> zero_row_results(const options& opts, std::size_t towers) {
+struct zero_results {
+  Acc mean, square;
+};
+template <class Acc>
+zero_results<Acc> zero_row_results(const options& opts, std::size_t towers) {
   if (!fused_requested(opts)) return {Acc(0), Acc(0)};
   const compute_options& c = opts.compute;
   Acc mean = 0, square = 0;
@@ -153,6 +157,9 @@ void check_sparse_overlaps(const TG& tg, Means& means, Squares* squares, shared_
   constexpr std::size_t none = static_cast<std::size_t>(-1);
   const std::size_t variables = w.present.size(), towers = std::ranges::size(tg);
   w.ranges.clear();
+  // Room for every range a call can add (a coalesced output adds up to 3, an empty one none), so
+  // that a loop's first call grows it once.
+  w.ranges.reserve(variables * (2 * towers + 6));
   auto add = [&](const void* p, std::size_t bytes, std::size_t i, std::size_t k, std::uint8_t kind) {
     if (bytes == 0 || p == nullptr) return;
     const auto* b = static_cast<const std::byte*>(p);
@@ -335,8 +342,8 @@ class sparse_call {
     w_.values.resize(towers_);
     with_accumulator<S>(opts_, [&]<class Acc>() {
       const auto z = zero_row_results<Acc>(opts_, towers_);
-      zero_mean_ = static_cast<O>(z.first);
-      zero_square_ = static_cast<O>(z.second);
+      zero_mean_ = static_cast<O>(z.mean);
+      zero_square_ = static_cast<O>(z.square);
     });
     for (std::size_t i = 0; i < variables_; ++i)
       if (w_.present[i]) lay_out_variable(i);
