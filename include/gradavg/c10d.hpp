@@ -36,6 +36,8 @@
 #include "detail/c10d/transport.hpp"
 #include "detail/processes/average.hpp"
 #include "detail/processes/gather.hpp"
+#include "detail/processes/sparse.hpp"
+#include "sparse.hpp"
 
 namespace gradavg {
 namespace c10d {
@@ -256,6 +258,28 @@ template <tower_gradients TG, class Means, class Squares>
 summary average_gradients_into(::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means, Squares&& squares,
                                const c10d::options& opts = {}) {
   return detail::average_into(group, tower_grads, means, &squares, opts);
+}
+
+/// Row-sparse gradients (sparse.hpp) across the ranks of group: gradavg::mpi's row-sparse call
+/// (every rank's listed rows to every rank, added in rank order; plain mean and squares).
+template <sparse_tower_gradients TG, class Means>
+  requires gradavg::detail::sparse_output_range<Means&>
+summary average_gradients_into(::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means,
+                               const c10d::options& opts = {}) {
+  return detail::over_group(group, opts, [&](detail::transport& wire, shared_detail::buffers&) {
+    return gradavg::detail::processes::average_sparse_across(wire, tower_grads, means, gradavg::detail::no_squares,
+                                                             opts, nullptr);
+  });
+}
+
+/// As above, and the means of squares.
+template <sparse_tower_gradients TG, class Means, class Squares>
+  requires gradavg::detail::sparse_output_range<Means&> && gradavg::detail::sparse_output_range<Squares&>
+summary average_gradients_into(::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means, Squares&& squares,
+                               const c10d::options& opts = {}) {
+  return detail::over_group(group, opts, [&](detail::transport& wire, shared_detail::buffers&) {
+    return gradavg::detail::processes::average_sparse_across(wire, tower_grads, means, &squares, opts, nullptr);
+  });
 }
 
 /// As above, keeping in p this rank's proof and what every rank agreed (gradavg::mpi's plan
