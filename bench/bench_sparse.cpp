@@ -138,7 +138,8 @@ void sparse(benchmark::State& state) {
   // gather: every listed values row copied to its row of a coalesced output, tower by tower (the
   // least a kernel over the listed rows moves: each read once, each output row written).
   std::vector<std::size_t> place(static_cast<std::size_t>(vocabulary), 0);
-  for (std::size_t n = 0; n < coalesced_out.indices.size(); ++n) place[static_cast<std::size_t>(coalesced_out.indices[n])] = n;
+  for (std::size_t n = 0; n < coalesced_out.indices.size(); ++n)
+    place[static_cast<std::size_t>(coalesced_out.indices[n])] = n;
   std::vector<float> gathered(coalesced_out.values.size());
   auto gather = [&] {
     for (std::size_t k = 0; k < towers; ++k)

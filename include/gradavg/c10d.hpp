@@ -261,7 +261,8 @@ summary average_gradients_into(::c10d::ProcessGroup& group, const TG& tower_grad
 }
 
 /// Row-sparse gradients (sparse.hpp) across the ranks of group: gradavg::mpi's row-sparse call
-/// (every rank's listed rows to every rank, added in rank order; plain mean and squares).
+/// (every rank's listed rows, or the sums as a dense tensor, to every rank, added in rank order;
+/// plain mean and squares).
 template <sparse_tower_gradients TG, class Means>
   requires gradavg::detail::sparse_output_range<Means&>
 summary average_gradients_into(::c10d::ProcessGroup& group, const TG& tower_grads, Means&& means,

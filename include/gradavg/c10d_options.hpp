@@ -107,6 +107,8 @@ struct exchange_options {
   std::size_t fusion_bytes = 0;
   gradavg::compression compression = gradavg::compression::none;
   gradavg::output_mode output = gradavg::output_mode::replicated;
+  /// How row-sparse gradients travel (gradavg::sparse_wire): rows or dense, by their bytes.
+  gradavg::sparse_wire sparse = gradavg::sparse_wire::automatic;
   std::span<float> residual = {};
   std::uint64_t seed = 0;
   /// Error feedback kept by libtorch::c10d_data_parallel (gradavg::error_feedback); off for a

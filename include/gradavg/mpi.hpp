@@ -140,9 +140,9 @@ auto average_gradients(MPI_Comm comm, const TG& tower_grads, include_square_t, c
 
 /// Row-sparse gradients (sparse.hpp) across the ranks of comm: every rank receives the mean over
 /// the towers of every rank, dense or coalesced as its outputs say, the same bits on every rank
-/// (detail/processes/sparse.hpp: each rank's sums, then every rank's listed rows to every rank,
-/// added in rank order). Plain mean and squares only (option_error otherwise). Collective, with
-/// this file's error contract.
+/// (detail/processes/sparse.hpp: each rank's sums, then every rank's listed rows to every rank or,
+/// as options.exchange.sparse says, the sums as a dense tensor; added in rank order). Plain mean
+/// and squares only (option_error otherwise). Collective, with this file's error contract.
 template <sparse_tower_gradients TG, class Means>
   requires gradavg::detail::sparse_output_range<Means&>
 summary average_gradients_into(MPI_Comm comm, const TG& tower_grads, Means&& means, const mpi::options& opts = {}) {

@@ -106,6 +106,8 @@ struct exchange_options {
   /// Which means each rank receives (gradavg::output_mode): every one, or with sharded its shard
   /// only (summary::shard), for half the bytes on the wire.
   gradavg::output_mode output = gradavg::output_mode::replicated;
+  /// How row-sparse gradients travel (gradavg::sparse_wire): rows or dense, by their bytes.
+  gradavg::sparse_wire sparse = gradavg::sparse_wire::automatic;
   /// Error feedback for a lossy compression: empty (the default), or this rank's residual, one
   /// float per element of the averaged variables (their sizes' sum, in the flat order of
   /// compute.range; option_error otherwise), zero at the start and kept by the caller between

@@ -123,6 +123,26 @@ enum class output_mode : std::uint8_t {
   sharded,
 };
 
+/// How row-sparse gradients (sparse.hpp) travel between ranks (options.exchange.sparse of
+/// gradavg::mpi and gradavg::c10d). Every choice gives the same bits.
+enum class sparse_wire : std::uint8_t {
+  /// rows where they move fewer bytes: where every rank's listed rows, sent to every other rank,
+  /// come to less than sparse_rows_share of the dense exchange's bytes; dense otherwise.
+  automatic,
+  /// every rank's listed rows (indices and sums) to every rank: (P - 1) times each rank's rows.
+  rows,
+  /// every rank's listed indices to every rank; the sums as a dense tensor, each slice's
+  /// contributions to its owner and the owner's sum back to every rank: 2 (P - 1) / P of it.
+  dense,
+};
+
+/// sparse_wire::automatic's crossover: rows travel where they are fewer than this share of the
+/// dense exchange's bytes. Measured (gradavg_bench_mpi_sparse, 2 ranks on an emulated 1 Gbit link,
+/// docs/sparse.md): with 68 % of the rows listed on each rank, rows took 1.05 times the dense
+/// call's time over densified gradients and the dense wire 1.18 times (both pay for the local
+/// sums and the merge, which the dense call overlaps with the wire).
+inline constexpr double sparse_rows_share = 0.9;
+
 /// Rank `rank`'s shard of the flat elements [range.begin, range.end) among `ranks` ranks
 /// (output_mode::sharded): [begin + n r / ranks, begin + n (r + 1) / ranks), n = end - begin;
 /// contiguous, in rank order, sizes differing by at most one. range: the call's range clamped to

@@ -139,9 +139,12 @@ std::vector<tower<I, S>> call_towers(const std::vector<rows_of_tower<I, S>>& min
 
 template <class I, class S, class O>
 void check_against_contract(std::int64_t rows, std::size_t length, std::size_t listed, std::uint32_t seed,
-                            bool empty_last) {
+                            bool empty_last, gradavg::sparse_wire wire) {
   const int rank = world_rank(), ranks = world_size();
-  INFO("rank " << rank << " of " << ranks << ", seed " << seed);
+  INFO("rank " << rank << " of " << ranks << ", seed " << seed << ", wire " << static_cast<int>(wire));
+  world_options opts;
+  opts.exchange.sparse = wire;
+  if (seed == 2) opts.exchange.fusion_bytes = 40;  // the dense wire in buckets of 10 values
   const auto mine = towers_of_rank<I, S>(rank, ranks, rows, length, listed, seed, empty_last);
   const auto tg = call_towers(mine, rows, length);
   const auto want = expected<O, I, S>(ranks, rows, length, listed, seed, empty_last);
@@ -149,7 +152,7 @@ void check_against_contract(std::int64_t rows, std::size_t length, std::size_t l
 
   std::vector<O> mean(n, O(-3)), square(n, O(-3));
   std::vector<std::vector<O>*> m{&mean}, s{&square};
-  const auto report = across::average_gradients_into(world(), tg, m, s);
+  const auto report = across::average_gradients_into(world(), tg, m, s, opts);
   CHECK(report.averaged == 1);
   CHECK(same_bits(mean.data(), want.first.data(), n));
   CHECK(same_bits(square.data(), want.second.data(), n));
@@ -157,7 +160,7 @@ void check_against_contract(std::int64_t rows, std::size_t length, std::size_t l
 
   gradavg::sparse_rows<I, O> coalesced;
   std::vector<gradavg::sparse_rows<I, O>*> c{&coalesced};
-  across::average_gradients_into(world(), tg, c);
+  across::average_gradients_into(world(), tg, c, opts);
   std::vector<I> rows_listed;
   for (int r = 0; r < ranks; ++r)
     for (const auto& t : towers_of_rank<I, S>(r, ranks, rows, length, listed, seed, empty_last))
@@ -174,14 +177,17 @@ void check_against_contract(std::int64_t rows, std::size_t length, std::size_t l
 
 }  // namespace
 
-TEST_CASE("mpi row-sparse: the contract's bits on every rank, every type", "[sparse]") {
-  for (std::uint32_t seed : {1u, 2u}) {
-    check_against_contract<std::int64_t, float, float>(40, 9, 12, seed, false);
-    check_against_contract<std::int32_t, double, double>(25, 70, 8, seed, false);
-    check_against_contract<std::int64_t, half, float>(30, 16, 10, seed, false);
-    check_against_contract<std::int32_t, half, half>(30, 16, 10, seed, false);
-    check_against_contract<std::int64_t, float, float>(50, 5, 7, seed, true);  // the last rank lists nothing
-  }
+TEST_CASE("mpi row-sparse: the contract's bits on every rank, every type, rows and dense on the wire", "[sparse]") {
+  using gradavg::sparse_wire;
+  for (sparse_wire wire : {sparse_wire::rows, sparse_wire::dense, sparse_wire::automatic})
+    for (std::uint32_t seed : {1u, 2u}) {
+      check_against_contract<std::int64_t, float, float>(40, 9, 12, seed, false, wire);
+      check_against_contract<std::int32_t, double, double>(25, 70, 8, seed, false, wire);
+      check_against_contract<std::int64_t, half, float>(30, 16, 10, seed, false, wire);
+      check_against_contract<std::int32_t, half, half>(30, 16, 10, seed, false, wire);
+      check_against_contract<std::int64_t, float, float>(50, 5, 7, seed, true, wire);  // the last rank lists none
+      check_against_contract<std::int64_t, float, float>(200, 3, 2, seed, false, wire);  // few rows: automatic: rows
+    }
 }
 
 TEST_CASE("mpi row-sparse: a variable absent everywhere is skipped, one absent on a rank is an error",
@@ -239,6 +245,13 @@ TEST_CASE("mpi row-sparse: a failure on one rank: that rank's error, remote_erro
         message_of<gradavg::shape_error>([&] { across::average_gradients_into(world(), tg3, mw); });
     CHECK(contains(what, "rank 1 has another dense shape than rank"));
     CHECK(wide == std::vector<float>(9, -1));
+  }
+  SECTION("ranks that pass another options.exchange.sparse") {
+    const auto tg = towers_with(idx, gradavg::shape::matrix(3, 2));
+    world_options opts;
+    if (rank == 0) opts.exchange.sparse = gradavg::sparse_wire::dense;
+    CHECK(contains(message_of<gradavg::option_error>([&] { across::average_gradients_into(world(), tg, m, opts); }),
+                   " in options.exchange.sparse"));
   }
   SECTION("options the row-sparse exchange does not take") {
     const auto tg = towers_with(idx, gradavg::shape::matrix(3, 2));

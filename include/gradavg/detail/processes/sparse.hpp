@@ -6,9 +6,11 @@
 //   mean   = (s_0 + s_1 + ... + s_{P-1}) / T            summed in rank order, T the towers of all ranks
 //   square = (q_0 + ... + q_{P-1}) / T                   q_r: rank r's sums of squared densified rows
 // where a rank that lists a row in none of its towers contributes 0: bitwise the same on every rank
-// and from run to run. Only the rows a rank lists travel: the call gathers every rank's listed row
-// indices and sums to every rank (the exchange of Horovod's allgather of IndexedSlices, on the
-// transport's own moves), then each rank adds them up itself.
+// and from run to run. options.exchange.sparse (sparse_wire) says how the sums travel: rows, every
+// rank's listed indices and sums to every rank (Horovod's allgather of IndexedSlices, on the
+// transport's own moves), each rank then adding them up itself; or dense, the indices so, then the
+// sums as a dense tensor in buckets, each slice summed by its owner in rank order and sent back.
+// The zeros of the dense tensor leave the sums unchanged: the same bits either way.
 //
 // Phases, with the error contract of the dense call (call.hpp):
 //   - Local: every check of the one-process call, then this rank's sums into its scratch.
@@ -17,7 +19,8 @@
 //   - Collective 2 (gather): every rank's header (counts, types, options, bytes to send).
 //   - Collective 3 (gather): per variable, every rank's presence, dense shape and rows listed:
 //     every rank throws the same error for ranks that disagree.
-//   - The moves: every rank's rows, in a slot as large as the largest rank's, to every rank.
+//   - The moves (the choice of wire made from what every rank gathered): every rank's rows, in a
+//     slot as large as the largest rank's, to every rank; or its indices, then the dense sums.
 //   Nothing is written to an output before the moves are complete.
 // Options: the plain mean and squares (no weights, scale, non-finite detection, statistics,
 // per_variable, double accumulation, range, compression or sharded output: option_error on every
@@ -54,12 +57,16 @@ enum sparse_header_field : std::size_t {
   sh_types,    // the gradients' element type code, and the index type's size
   sh_squares,  // squares passed
   sh_slot,     // bytes of this rank's rows on the wire
+  sh_wire,     // options.exchange.sparse
   sparse_header_words
 };
 
 /// Per variable, what every rank gathers: presence (0 absent on every tower, 1 present), the
 /// dense shape's fingerprint, the variable's identity (0: not compared), the rows listed.
 enum sparse_variable_field : std::size_t { sv_present, sv_shape, sv_identity, sv_rows, sparse_variable_words };
+
+/// Buckets of the dense exchange in flight at once (sparse_wire::dense).
+inline constexpr std::size_t sparse_sets = 3;
 
 /// gradavg::mpi's average_gradients_into over row-sparse towers (see the file comment), in
 /// phases: local(), agree() (collectives 1 to 3), move(), then merge(i) for each variable.
@@ -122,6 +129,7 @@ class sparse_exchange {
                          ": row-sparse gradients across processes are averaged plain (no weights, scale, non-finite "
                          "detection, statistics, per_variable, double accumulation, compression or sharded output)");
     wire_.check_options();
+    gradavg::shared_detail::require_named(opts_.exchange.sparse, sparse_wire::dense, "options.exchange.sparse");
     const std::size_t variables = validate_tower_counts(tg_);
     sums_.resize(variables);
     if (with_squares) square_sums_.resize(variables);
@@ -156,14 +164,16 @@ class sparse_exchange {
       v[sv_present] = 1;
       v[sv_shape] = shape_fingerprint(scratch_.dense[i]);
       v[sv_rows] = sums_[i].indices.size();
-      slot += sums_[i].indices.size() * (sizeof(std::int64_t) + (with_squares ? 2 : 1) * sums_[i].row_length() * sizeof(Acc));
+      const std::size_t row_bytes = (with_squares ? 2 : 1) * sums_[i].row_length() * sizeof(Acc);
+      slot += sums_[i].indices.size() * (sizeof(std::int64_t) + row_bytes);
     }
     header_[sh_towers] = std::ranges::size(tg_);
     header_[sh_variables] = variables;
     header_[sh_types] = type_code<S>() << 8 | sizeof(I);
     header_[sh_squares] = with_squares ? 1 : 0;
     header_[sh_slot] = (slot + 63) / 64 * 64;
-    wire_.reserve(1);
+    header_[sh_wire] = static_cast<std::uint64_t>(opts_.exchange.sparse);
+    wire_.reserve(sparse_sets);
   }
 
   /// Collectives 1 to 3: every rank throws the same error, or none does.
@@ -188,6 +198,7 @@ class sparse_exchange {
     disagree(sh_types, "the gradients' element or index type",
              [](const std::string& m) { return element_type_error(m); });
     disagree(sh_squares, "whether squares are passed", [](const std::string& m) { return output_error(m); });
+    disagree(sh_wire, "options.exchange.sparse", [](const std::string& m) { return option_error(m); });
     variables_ = field(rank_, sh_variables);
     for (int r = 0; r < ranks_; ++r) {
       towers_ += field(r, sh_towers);
@@ -197,6 +208,32 @@ class sparse_exchange {
     words_.resize(P_ * variables_ * sparse_variable_words);
     if (variables_ != 0) wire_.gather_words(own_words_.data(), words_.data(), variables_ * sparse_variable_words);
     for (std::size_t i = 0; i < variables_; ++i) agree_on_variable(i);
+    choose_wire();
+  }
+
+  /// Rows or dense (sparse_wire), from what every rank gathered: the same choice on every rank.
+  void choose_wire() {
+    std::size_t elements = 0, index_slot = 0;
+    dense_offset_.assign(variables_, 0);
+    for (std::size_t i = 0; i < variables_; ++i) {
+      dense_offset_[i] = elements;
+      if (word(0, i, sv_present) != 0) elements += scratch_.dense[i].size();
+    }
+    dense_elements_ = elements;
+    for (int r = 0; r < ranks_; ++r) {
+      std::size_t bytes = 0;
+      for (std::size_t i = 0; i < variables_; ++i) bytes += word(r, i, sv_rows) * sizeof(std::int64_t);
+      index_slot = std::max(index_slot, (bytes + 63) / 64 * 64);
+    }
+    const double others = static_cast<double>(P_ - 1);
+    const double rows_bytes = others * static_cast<double>(slot_);
+    const double dense_bytes = others * static_cast<double>(index_slot) +
+                               2 * others / static_cast<double>(P_) * static_cast<double>(elements) *
+                                   (with_squares ? 2 : 1) * sizeof(Acc);
+    const auto wire = static_cast<sparse_wire>(field(rank_, sh_wire));
+    dense_ = wire == sparse_wire::dense || (wire == sparse_wire::automatic && rows_bytes > 0 &&
+                                            rows_bytes >= sparse_rows_share * dense_bytes);
+    if (dense_) slot_ = index_slot;
   }
 
   std::uint64_t field(int r, std::size_t f) const {
@@ -224,7 +261,8 @@ class sparse_exchange {
       throw variable_mismatch_error(named() + rank_list(s.odd) + " " + verb_s(s.odd, "has", "have") +
                                         " another variable at this position than " + rank_list(s.common),
                                     i);
-    if (const rank_split s = split_ranks(ranks_, [&](int r) { return word(r, i, sv_present); }, [](int) { return true; });
+    if (const rank_split s =
+            split_ranks(ranks_, [&](int r) { return word(r, i, sv_present); }, [](int) { return true; });
         !s.odd.empty()) {
       const bool odd_present = word(s.odd.front(), i, sv_present) != 0;
       throw missing_gradient_error(named() + "gradient missing on every tower of " +
@@ -243,7 +281,7 @@ class sparse_exchange {
   }
 
   /// Every rank's rows (indices, then sums, then sums of squares, variable by variable) in its
-  /// slot, to every rank.
+  /// slot, to every rank; dense: the indices only, then move_dense().
   void move() {
     wire_bytes_.resize(P_ * slot_);
     std::byte* mine = wire_bytes_.data() + static_cast<std::size_t>(rank_) * slot_;
@@ -258,6 +296,7 @@ class sparse_exchange {
         const auto wide = static_cast<std::int64_t>(index);
         put(&wide, sizeof wide);
       }
+      if (dense_) continue;
       put(sums_[i].values.data(), sums_[i].values.size() * sizeof(Acc));
       if constexpr (with_squares) put(square_sums_[i].values.data(), square_sums_[i].values.size() * sizeof(Acc));
     }
@@ -265,9 +304,76 @@ class sparse_exchange {
       wire_.gather(0, wire_bytes_.data(), slice_layout{P_ * slot_, 1, ranks_});
       wire_.wait(0);
     }
+    if (dense_) move_dense();
     wire_.rethrow_noted();
     at_.resize(P_);
     for (std::size_t r = 0; r < P_; ++r) at_[r] = wire_bytes_.data() + r * slot_;
+  }
+
+  /// The dense exchange of every rank's sums (sums of squares after all sums): each rank's dense
+  /// sums (its listed rows, +0 elsewhere), each slice's contributions to its owner, summed there
+  /// in rank order (with the zeros of the ranks that list a row nowhere: the rows exchange's sums,
+  /// bit for bit), the sums back to every rank.
+  void move_dense() {
+    const std::size_t total = dense_elements_ * (with_squares ? 2 : 1);
+    dense_sums_.assign(total, Acc(0));
+    for (std::size_t i = 0; i < variables_; ++i) {
+      if (!scratch_.present[i]) continue;
+      const std::size_t length = row_length_of(scratch_.dense[i]);
+      auto place = [&](const sums_t& from, std::size_t offset) {
+        for (std::size_t n = 0; n < from.indices.size(); ++n)
+          std::copy_n(from.values.begin() + static_cast<std::ptrdiff_t>(n * length), length,
+                      dense_sums_.begin() + static_cast<std::ptrdiff_t>(
+                                                offset + static_cast<std::size_t>(from.indices[n]) * length));
+      };
+      place(sums_[i], dense_offset_[i]);
+      if constexpr (with_squares) place(square_sums_[i], dense_elements_ + dense_offset_[i]);
+    }
+    if (P_ == 1 || total == 0) return;
+    // In buckets of the exchange's fusion size, each bucket's contributions sent while the
+    // previous bucket is summed and sent back (three sets in flight; a set is reused once its
+    // previous bucket's gather is complete).
+    const std::size_t bucket = std::max<std::size_t>(
+        1, (opts_.exchange.fusion_bytes != 0 ? opts_.exchange.fusion_bytes : wire_.automatic_fusion_bytes()) /
+               sizeof(Acc));
+    const std::size_t buckets = (total + bucket - 1) / bucket;
+    const std::size_t room = (P_ - 1) * ((std::min(bucket, total) + P_ - 1) / P_) * sizeof(Acc);
+    received_.resize(sparse_sets * room);
+    auto layout_of = [&](std::size_t k) {
+      return slice_layout{std::min(bucket, total - k * bucket), sizeof(Acc), ranks_};
+    };
+    auto bytes_of = [&](std::size_t k) { return reinterpret_cast<std::byte*>(dense_sums_.data() + k * bucket); };
+    auto finish = [&](std::size_t k) {  // bucket k: its slice summed in rank order, sent back
+      const std::size_t set = k % sparse_sets;
+      wire_.wait(set);
+      const slice_layout layout = layout_of(k);
+      const std::size_t first = layout.first(rank_), count = layout.first(rank_ + 1) - first;
+      Acc* own = dense_sums_.data() + k * bucket + first;
+      const std::byte* received = received_.data() + set * room;
+      for (int r = 0; r < ranks_; ++r) {
+        if (r == rank_) {
+          for (std::size_t j = 0; j < count; ++j) slice_[j] = r == 0 ? own[j] : slice_[j] + own[j];
+          continue;
+        }
+        const std::byte* from = received + layout.received_at(r, rank_);
+        for (std::size_t j = 0; j < count; ++j) {
+          Acc x;
+          std::memcpy(&x, from + j * sizeof(Acc), sizeof x);
+          slice_[j] = r == 0 ? x : slice_[j] + x;
+        }
+      }
+      std::copy_n(slice_.begin(), count, own);
+      wire_.gather(set, bytes_of(k), layout);
+    };
+    slice_.resize(bucket);
+    for (std::size_t k = 0; k < buckets; ++k) {
+      const std::size_t set = k % sparse_sets;
+      if (k >= sparse_sets) wire_.wait(set);  // bucket k - sparse_sets' gather
+      wire_.scatter(set, bytes_of(k), received_.data() + set * room, layout_of(k));
+      if (k >= 1) finish(k - 1);
+    }
+    finish(buckets - 1);
+    for (std::size_t set = 0; set < sparse_sets; ++set) wire_.wait(set);
   }
 
   /// Variable i's outputs from every rank's rows: each listed row's sums added in rank order (a
@@ -287,7 +393,7 @@ class sparse_exchange {
         std::memcpy(&index, at_[r] + n * sizeof index, sizeof index);
         listed_.push_back({static_cast<std::uint64_t>(index), r, n});
       }
-      at_[r] = squared[r] + (with_squares ? rows * length * sizeof(Acc) : 0);
+      at_[r] = dense_ ? values[r] : squared[r] + (with_squares ? rows * length * sizeof(Acc) : 0);
     }
     std::sort(listed_.begin(), listed_.end(),
               [](const auto& a, const auto& b) { return a.row != b.row ? a.row < b.row : a.tower < b.tower; });
@@ -313,12 +419,18 @@ class sparse_exchange {
       const std::uint64_t row = listed_[e].row;
       std::size_t end = e;
       while (end < listed_.size() && listed_[end].row == row) ++end;
-      add(e, end, values, length, sum_);
+      if (dense_)
+        copy_dense(dense_offset_[i], row, length, sum_);
+      else
+        add(e, end, values, length, sum_);
       means_.fill(mean_base, next_row, row, length, O(0));
       means_.set_index(i, place, row);
       write(means_.row(mean_base, place, row, length), sum_);
       if constexpr (with_squares) {
-        add(e, end, squared, length, square_);
+        if (dense_)
+          copy_dense(dense_elements_ + dense_offset_[i], row, length, square_);
+        else
+          add(e, end, squared, length, square_);
         squares_.fill(square_base, next_row, row, length, O(0));
         squares_.set_index(i, place, row);
         write(squares_.row(square_base, place, row, length), square_);
@@ -328,6 +440,12 @@ class sparse_exchange {
     }
     means_.fill(mean_base, next_row, dense_rows, length, O(0));
     if constexpr (with_squares) squares_.fill(square_base, next_row, dense_rows, length, O(0));
+  }
+
+  /// into = row `row` of the dense exchange's sums of the variable at `offset`.
+  void copy_dense(std::size_t offset, std::uint64_t row, std::size_t length, std::vector<Acc>& into) const {
+    std::copy_n(dense_sums_.begin() + static_cast<std::ptrdiff_t>(offset + static_cast<std::size_t>(row) * length),
+                length, into.begin());
   }
 
   /// into = the rows of listed_[e, end) (one row, the ranks that list it, in rank order) added.
@@ -362,6 +480,11 @@ class sparse_exchange {
   std::vector<const std::byte*> at_;  // each rank's next bytes
   std::vector<shared_detail::sparse_scratch::entry> listed_;  // (row, rank, position)
   std::vector<Acc> sum_, square_, row_copy_;
+  bool dense_ = false;                      // sparse_wire chosen: dense
+  std::size_t dense_elements_ = 0;          // the averaged variables' elements
+  std::vector<std::size_t> dense_offset_;   // per variable: its first in dense_sums_
+  std::vector<Acc> dense_sums_, slice_;     // this rank's dense sums, then every rank's
+  std::vector<std::byte> received_;         // the other ranks' contributions to this rank's slice
 };
 
 /// sparse_exchange as one call; prior: a failure before it, passed to the first collective.
