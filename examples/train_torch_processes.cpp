@@ -104,6 +104,7 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
         std::vector<std::jthread> threads;
         for (std::size_t k = 0; k < k_count; ++k)
           threads.emplace_back([&, k] {
+            torch::set_num_threads(1);  // a new thread starts with OpenMP's default team size
             const auto begin = rank * per_rank + static_cast<std::int64_t>(k) * per_replica;
             auto& r = replicas[k];
             r->zero_grad();
