@@ -50,7 +50,9 @@ inline void check_readable(const at::Tensor& t) {
     throw unsupported_tensor_error("a tensor on device " + t.device().str() +
                                    "; gradavg reads CPU tensors (copy it with .cpu(), or average on the device)");
   if (t.layout() != at::kStrided)
-    throw unsupported_tensor_error("a sparse (non-strided) tensor; gradavg reads dense tensors (.to_dense())");
+    throw unsupported_tensor_error(
+        "a sparse (non-strided) tensor; gradavg reads dense tensors here (.to_dense()), and row-sparse ones with "
+        "gradavg::libtorch::average_sparse_gradients_into (gradavg/torch_sparse.hpp)");
 }
 
 inline element_type element_of(at::ScalarType s) {

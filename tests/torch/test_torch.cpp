@@ -226,6 +226,7 @@ TEST_CASE("tensors gradavg does not read: its errors, naming the variable and th
     const auto e =
         gradavg_test::exception_of<gradavg::unsupported_tensor_error>([&] { gradavg::average_gradients_into(tg, means); });
     CHECK(gradavg_test::contains(e.what(), "variable #0 'v0': gradient on tower 2: a sparse"));
+    CHECK(gradavg_test::contains(e.what(), "gradavg::libtorch::average_sparse_gradients_into"));
   }
   SECTION("more than 8 dimensions") {
     tg[1][1].first = torch::randn({1, 1, 1, 1, 6, 1, 1, 1, 1});
