@@ -7,11 +7,15 @@
 
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <ranges>
 #include <span>
+#include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -19,6 +23,7 @@
 #include "detail/isa.hpp"
 #include "detail/torch_replicas.hpp"
 #include "options.hpp"
+#include "torch_sparse.hpp"
 #include "torch_tensor.hpp"
 #include "torch_types.hpp"
 
@@ -36,6 +41,98 @@ summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, st
   return gradavg::detail::average_into_impl<true>(tg, means, gradavg::detail::no_squares, opts);
 }
 
+/// The parameters whose gradient is a sparse tensor on some replica, in named_parameters() order;
+/// none where the replicas list different parameter counts (the dense call reports that).
+inline std::vector<std::size_t> sparse_parameters(const std::vector<named_tensors>& params) {
+  std::vector<std::size_t> sparse;
+  for (const auto& p : params)
+    if (p.size() != params[0].size()) return sparse;
+  for (std::size_t i = 0; !params.empty() && i < params[0].size(); ++i)
+    for (const auto& p : params) {
+      const at::Tensor& v = p[i].value();
+      if (v.requires_grad() && v.grad().defined() && v.grad().is_sparse()) {
+        sparse.push_back(i);
+        break;
+      }
+    }
+  return sparse;
+}
+
+/// A sparse COO tensor with no rows, of p's sizes and dtype: absent_as_zeros' zero gradient.
+inline at::Tensor no_rows_like(const at::Tensor& p) {
+  std::vector<std::int64_t> values{0};
+  for (std::int64_t d = 1; d < p.dim(); ++d) values.push_back(p.size(d));
+  return at::_sparse_coo_tensor_unsafe(at::empty({1, 0}, at::TensorOptions(at::kLong)),
+                                       at::empty(values, p.options()), p.sizes(), p.options().layout(at::kSparse));
+}
+
+/// average_module_gradients where the gradients of `sparse` (sparse_parameters) are sparse, as
+/// Embedding with sparse(true) leaves them. Those are averaged first by the row-sparse call
+/// (torch_sparse.hpp), into new coalesced sparse tensors, writing nothing; then the others by
+/// average_replicas(..., dense), those read as absent; once both have succeeded, each sparse mean
+/// becomes the grad() of every receiving replica (one tensor, shared by them: an optimizer reads
+/// it). An error in either call leaves every replica as it was. The report merges both calls':
+/// counts and statistics summed, names in named_parameters() order.
+template <class Dense>
+module_report average_with_sparse(std::span<::torch::nn::Module* const> replicas, const std::vector<named_tensors>& params,
+                                  const std::vector<std::size_t>& sparse, const options& opts,
+                                  const module_options& mopts, Dense&& dense) {
+  require_named_module_options(mopts);
+  const std::size_t k_count = replicas.size();
+  std::vector<std::vector<std::pair<at::Tensor, std::string_view>>> tg(k_count);
+  std::vector<unsigned char> filled(sparse.size(), 0);
+  for (std::size_t j = 0; j < sparse.size(); ++j) {
+    const std::size_t i = sparse[j];
+    for (std::size_t k = 0; k < k_count; ++k) {
+      const at::Tensor& p = params[k][i].value();
+      tg[k].emplace_back(p.requires_grad() ? p.grad() : at::Tensor(), std::string_view(params[k][i].key()));
+    }
+    if (!mopts.absent_as_zeros) continue;
+    for (std::size_t k = 0; k < k_count; ++k)
+      if (!tg[k][j].first.defined()) tg[k][j].first = no_rows_like(params[k][i].value()), filled[j] = 1;
+  }
+  // per_variable of another length than the parameters' is the dense call's option_error.
+  std::vector<variable_statistics> statistics;
+  if (opts.compute.per_variable.size() == params[0].size())
+    for (const std::size_t i : sparse) statistics.push_back(opts.compute.per_variable[i]);
+  options sparse_opts = opts;
+  sparse_opts.compute.per_variable = statistics;
+  auto averaged = average_sparse_allocating(tg, mopts.include_square, sparse_opts);
+
+  std::vector<std::uint64_t> done((params[0].size() + 63) / 64, 0);
+  for (const std::size_t i : sparse) presence::set(done, i);
+  module_report dense_report = dense(&done);
+
+  module_report result;
+  result.report = dense_report.report;
+  add_part(result.report, averaged.report);
+  const std::size_t receivers = receiving_replicas(mopts, k_count);
+  std::vector<unsigned char> skipped(sparse.size(), 0);
+  for (const auto& s : averaged.skipped) skipped[s.index] = 1;
+  if (mopts.include_square) result.squares = std::move(dense_report.squares);
+  std::size_t next = 0, next_skipped = 0, next_filled = 0;
+  for (std::size_t j = 0; j < sparse.size(); ++j) {
+    if (skipped[j]) continue;
+    for (std::size_t k = 0; k < receivers; ++k) params[k][sparse[j]].value().mutable_grad() = averaged.gradients[next].first;
+    if (mopts.include_square) result.squares[sparse[j]] = averaged.squares[next].first;
+    ++next;
+  }
+  for (std::size_t j = 0; j < statistics.size(); ++j) opts.compute.per_variable[sparse[j]] = statistics[j];
+  // The names of both calls, in named_parameters() order.
+  for (std::size_t i = 0, j = 0; i < params[0].size(); ++i) {
+    const bool is_sparse = j < sparse.size() && sparse[j] == i;
+    const std::string& name = params[0][i].key();
+    if (is_sparse ? skipped[j] != 0 : next_skipped < dense_report.skipped.size() && dense_report.skipped[next_skipped] == name)
+      result.skipped.push_back(is_sparse ? name : std::move(dense_report.skipped[next_skipped++]));
+    if (is_sparse ? filled[j] != 0 && skipped[j] == 0
+                  : next_filled < dense_report.zero_filled.size() && dense_report.zero_filled[next_filled] == name)
+      result.zero_filled.push_back(is_sparse ? name : std::move(dense_report.zero_filled[next_filled++]));
+    j += is_sparse ? 1 : 0;
+  }
+  result.report.skipped = result.skipped.size();
+  return result;
+}
+
 }  // namespace detail
 
 /// Averages the gradients of K replicas of one model (each a clone() trained on its own slice of
@@ -51,7 +148,10 @@ summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, st
 /// report; without one on some replicas only, it is missing_gradient_error, or averaged with zeros
 /// in their place with module_options::absent_as_zeros (module_options). The gradients must be as
 /// torch::Tensor gradients (torch_tensor.hpp): CPU, dense, of the same memory-order shapes
-/// (channels_last gradients are averaged as such), each of its parameter's dtype. Parameters of
+/// (channels_last gradients are averaged as such), each of its parameter's dtype; or sparse COO
+/// (an Embedding with sparse(true)): averaged without densifying them (torch_sparse.hpp) before
+/// the dense ones, each mean a new coalesced sparse tensor set as the grad() of every receiving
+/// replica once both calls have succeeded (detail::average_with_sparse). Parameters of
 /// several dtypes (a bfloat16 body and a float head) are averaged one dtype per call, in order of
 /// first appearance, into outputs of their own that are copied into every replica once every call
 /// has succeeded (so an error leaves every replica as it was); the report sums the calls' counts
@@ -66,15 +166,24 @@ summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, st
 /// means and the other replicas partly written. A null replica is a tower_error.
 inline module_report average_module_gradients(std::span<::torch::nn::Module* const> replicas,
                                               const options& opts = {}, const module_options& mopts = {}) {
-  return detail::average_replicas(
-      replicas, opts, mopts, [](detail::presence&, const module_options&) {},
-      [&](const auto& tg, auto& means, std::vector<at::Tensor>* squares, std::exception_ptr prior,
-          std::span<variable_statistics> per_variable) {
-        if (prior) std::rethrow_exception(prior);
-        options call = opts;
-        call.compute.per_variable = per_variable;
-        return detail::average_into_own_dtypes(tg, means, squares, call);
-      });
+  const auto average = [&](const auto& tg, auto& means, std::vector<at::Tensor>* squares, std::exception_ptr prior,
+                           std::span<variable_statistics> per_variable) {
+    if (prior) std::rethrow_exception(prior);
+    options call = opts;
+    call.compute.per_variable = per_variable;
+    return detail::average_into_own_dtypes(tg, means, squares, call);
+  };
+  const auto alone = [](detail::presence&, const module_options&) {};
+  if (std::find(replicas.begin(), replicas.end(), nullptr) != replicas.end())
+    return detail::average_replicas(replicas, opts, mopts, alone, average);  // which names the null one
+  std::vector<detail::named_tensors> params;
+  params.reserve(replicas.size());
+  for (auto* m : replicas) params.push_back(m->named_parameters(/*recurse=*/true));
+  const std::vector<std::size_t> sparse = detail::sparse_parameters(params);
+  if (sparse.empty()) return detail::average_replicas(replicas, opts, mopts, alone, average, nullptr, &params);
+  return detail::average_with_sparse(replicas, params, sparse, opts, mopts, [&](const std::vector<std::uint64_t>* done) {
+    return detail::average_replicas(replicas, opts, mopts, alone, average, done, &params);
+  });
 }
 
 /// The same for any range of replicas: Module*, std::shared_ptr<M> or a ModuleHolder (the

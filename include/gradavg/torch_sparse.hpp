@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <ranges>
 #include <span>
 #include <string>
 #include <utility>
@@ -158,8 +159,9 @@ namespace detail {
 
 /// The call's gradients' dtype: the first defined gradient's, in tower then variable order, when
 /// gradavg reads it (float otherwise, and where none is defined: the traits then name what is
-/// wrong, where it is).
-inline at::ScalarType gradients_dtype(tower_pairs tg) noexcept {
+/// wrong, where it is). TG: towers of (at::Tensor gradient, variable) pairs.
+template <class TG>
+at::ScalarType gradients_dtype(const TG& tg) noexcept {
   for (const auto& tower : tg)
     for (const auto& [g, v] : tower)
       if (g.defined()) {
@@ -193,12 +195,25 @@ decltype(auto) with_sparse_types(at::ScalarType gradients, at::ScalarType output
   }
 }
 
-/// tg's towers with each gradient as sparse_coo<V> (the variables copied: a reference count).
-template <class V>
-std::vector<std::vector<std::pair<sparse_coo<V>, at::Tensor>>> typed_towers(tower_pairs tg) {
-  std::vector<std::vector<std::pair<sparse_coo<V>, at::Tensor>>> towers(tg.size());
-  for (std::size_t k = 0; k < tg.size(); ++k) {
-    towers[k].reserve(tg[k].size());
+/// Calls f.template operator()<S>() with the value type of the gradients' dtype.
+template <class F>
+decltype(auto) with_value_type(at::ScalarType gradients, F&& f) {
+  switch (gradients) {
+    case at::kDouble: return f.template operator()<double>();
+    case at::kHalf: return f.template operator()<Eigen::half>();
+    case at::kBFloat16: return f.template operator()<Eigen::bfloat16>();
+    default: return f.template operator()<float>();
+  }
+}
+
+/// tg's towers with each gradient as sparse_coo<V>, the variables copied (a tensor's reference
+/// count, a name's view).
+template <class V, class TG>
+auto typed_towers(const TG& tg) {
+  using Variable = typename std::ranges::range_value_t<std::ranges::range_value_t<TG>>::second_type;
+  std::vector<std::vector<std::pair<sparse_coo<V>, Variable>>> towers(std::ranges::size(tg));
+  for (std::size_t k = 0; k < towers.size(); ++k) {
+    towers[k].reserve(std::ranges::size(tg[k]));
     for (const auto& [g, v] : tg[k]) towers[k].emplace_back(sparse_coo<V>{&g}, v);
   }
   return towers;
@@ -224,22 +239,28 @@ at::Tensor to_sparse_coo(sparse_rows<std::int64_t, V>&& rows) {
   at::Tensor indices = at::from_blob(owner->indices.data(), {1, n}, keep, at::TensorOptions(at::kLong));
   at::Tensor values = at::from_blob(owner->values.data(), value_sizes, keep,
                                     at::TensorOptions(shared_detail::scalar_type_of_value<V>()));
-  at::Tensor result =
-      at::_sparse_coo_tensor_unsafe(indices, values, at::IntArrayRef(dense.dims.data(), dense.rank), values.options().layout(at::kSparse));
+  at::Tensor result = at::_sparse_coo_tensor_unsafe(indices, values, at::IntArrayRef(dense.dims.data(), dense.rank),
+                                                    values.options().layout(at::kSparse));
   result._coalesced_(true);
   return result;
 }
 
-template <class V>
-averaged_gradients<at::Tensor, at::Tensor> allocating(tower_pairs tg, bool with_squares, const options& opts) {
-  const auto towers = typed_towers<V>(tg);
-  auto r = with_squares ? gradavg::average_gradients(towers, include_square, opts) : gradavg::average_gradients(towers, opts);
-  averaged_gradients<at::Tensor, at::Tensor> result;
-  result.report = r.report;
-  result.skipped = std::move(r.skipped);
-  for (auto& [rows, variable] : r.gradients) result.gradients.emplace_back(to_sparse_coo(std::move(rows)), variable);
-  for (auto& [rows, variable] : r.squares) result.squares.emplace_back(to_sparse_coo(std::move(rows)), variable);
-  return result;
+/// The allocating call over towers of (at::Tensor gradient, variable) pairs: each mean (and
+/// square) a coalesced sparse COO tensor of the gradients' dtype.
+template <class TG>
+auto average_sparse_allocating(const TG& tg, bool with_squares, const options& opts) {
+  using Variable = typename std::ranges::range_value_t<std::ranges::range_value_t<TG>>::second_type;
+  return with_value_type(gradients_dtype(tg), [&]<class S>() {
+    const auto towers = typed_towers<S>(tg);
+    auto r = with_squares ? gradavg::average_gradients(towers, include_square, opts)
+                          : gradavg::average_gradients(towers, opts);
+    averaged_gradients<at::Tensor, Variable> result;
+    result.report = r.report;
+    result.skipped = std::move(r.skipped);
+    for (auto& [rows, variable] : r.gradients) result.gradients.emplace_back(to_sparse_coo(std::move(rows)), variable);
+    for (auto& [rows, variable] : r.squares) result.squares.emplace_back(to_sparse_coo(std::move(rows)), variable);
+    return result;
+  });
 }
 
 }  // namespace detail
@@ -277,17 +298,13 @@ inline summary average_sparse_gradients_into(tower_pairs tower_grads, std::span<
 /// skipped variables; the summary.
 inline averaged_gradients<at::Tensor, at::Tensor> average_sparse_gradients(tower_pairs tower_grads,
                                                                           const options& opts = {}) {
-  return detail::with_sparse_types(detail::gradients_dtype(tower_grads), at::kFloat, [&]<class S, class>() {
-    return detail::allocating<S>(tower_grads, false, opts);
-  });
+  return detail::average_sparse_allocating(tower_grads, false, opts);
 }
 
 /// As above, with the means of the squared gradients (the seed's include_square=True).
 inline averaged_gradients<at::Tensor, at::Tensor> average_sparse_gradients(tower_pairs tower_grads, include_square_t,
                                                                           const options& opts = {}) {
-  return detail::with_sparse_types(detail::gradients_dtype(tower_grads), at::kFloat, [&]<class S, class>() {
-    return detail::allocating<S>(tower_grads, true, opts);
-  });
+  return detail::average_sparse_allocating(tower_grads, true, opts);
 }
 
 GRADAVG_END_ISA_NAMESPACE

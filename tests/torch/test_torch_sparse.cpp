@@ -1,7 +1,10 @@
 // libtorch's sparse COO gradients (gradavg/torch_sparse.hpp): every dtype against the test's own
 // densify-then-average in scalar code, bit for bit (dense outputs and the coalesced sparse
 // results); an Embedding(sparse=true) module's gradients of two replicas against libtorch's own
-// mean of their to_dense(); absent gradients; what is rejected and how, with the outputs untouched.
+// mean of their to_dense(); absent gradients; what is rejected and how, with the outputs untouched;
+// average_module_gradients over a module with a sparse embedding and a dense head (the sparse
+// mean in every replica, bit for bit; absent_as_zeros; an error that writes nothing).
+#include <gradavg/torch.hpp>
 #include <gradavg/torch_sparse.hpp>
 
 #include <torch/torch.h>
@@ -242,4 +245,84 @@ TEST_CASE("sparse COO gradients: what is rejected names the variable and the tow
     const std::string t = rejected({{{g, table}}, {{g, table}}}, {torch::zeros({2, 10})}, "variable #0");
     CHECK(t == typeid(gradavg::output_error).name());
   }
+}
+
+namespace {
+
+/// An embedding with sparse gradients, then a dense head.
+struct BagImpl : torch::nn::Module {
+  BagImpl()
+      : emb(register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(60, 4).sparse(true)))),
+        head(register_module("head", torch::nn::Linear(4, 3))) {}
+  at::Tensor forward(const at::Tensor& words) { return head->forward(emb->forward(words).mean(1)); }
+  torch::nn::Embedding emb;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Bag);
+
+/// K replicas of one Bag, each run backward on its own words.
+std::vector<Bag> bags_after_backward(std::size_t k_count) {
+  torch::manual_seed(11);
+  std::vector<Bag> bags;
+  for (std::size_t k = 0; k < k_count; ++k) {
+    bags.emplace_back();
+    if (k > 0)
+      for (std::size_t i = 0; i < bags[0]->parameters().size(); ++i)
+        bags[k]->parameters()[i].data().copy_(bags[0]->parameters()[i].data());
+    bags[k]->forward(torch::randint(0, 60, {5, 7}, at::kLong)).pow(2).sum().backward();
+  }
+  return bags;
+}
+
+}  // namespace
+
+TEST_CASE("average_module_gradients over an Embedding(sparse=true): the sparse mean in every replica, the dense head as before") {
+  const std::size_t k_count = 3;
+  auto bags = bags_after_backward(k_count);
+  std::vector<at::Tensor> emb_grads, head_grads;
+  for (auto& b : bags) emb_grads.push_back(b->emb->weight.grad()), head_grads.push_back(b->head->weight.grad().clone());
+  REQUIRE(emb_grads[0].is_sparse());
+  const auto [means_ref, squares_ref] = reference<float, float>(emb_grads);
+
+  gradavg::libtorch::module_options mopts;
+  mopts.include_square = true;
+  const auto report = gradavg::libtorch::average_module_gradients(bags, {}, mopts);
+  CHECK(report.report.averaged == 3);
+  CHECK(report.skipped.empty());
+  for (auto& b : bags) {
+    const at::Tensor g = b->emb->weight.grad();
+    CHECK(g.is_sparse());
+    CHECK(g.is_coalesced());
+    CHECK(same_bits(elements<float>(g.to_dense()), means_ref));
+    CHECK(torch::allclose(b->head->weight.grad(), (head_grads[0] + head_grads[1] + head_grads[2]) / 3, 1e-6, 1e-6));
+    CHECK(torch::equal(b->head->weight.grad(), bags[0]->head->weight.grad()));
+  }
+  REQUIRE(report.squares.size() == 3);  // emb.weight, head.weight, head.bias
+  CHECK(report.squares[0].is_sparse());
+  CHECK(same_bits(elements<float>(report.squares[0].to_dense()), squares_ref));
+  CHECK(torch::allclose(bags[0]->emb->weight.grad().to_dense(),
+                        (emb_grads[0].to_dense() + emb_grads[1].to_dense() + emb_grads[2].to_dense()) / 3, 1e-6, 1e-6));
+  // An optimizer that takes sparse gradients steps with it.
+  torch::optim::SGD sgd(bags[0]->parameters(), torch::optim::SGDOptions(0.1));
+  const at::Tensor before = bags[0]->emb->weight.detach().clone();
+  sgd.step();
+  CHECK(torch::allclose(bags[0]->emb->weight.detach(), before - 0.1 * bags[0]->emb->weight.grad().to_dense()));
+}
+
+TEST_CASE("average_module_gradients over an Embedding(sparse=true): absent on a replica, as zeros or an error that writes nothing") {
+  auto bags = bags_after_backward(2);
+  bags[1]->emb->weight.mutable_grad() = at::Tensor();
+  const at::Tensor emb0 = bags[0]->emb->weight.grad();
+  const at::Tensor head0 = bags[0]->head->weight.grad().clone(), head1 = bags[1]->head->weight.grad().clone();
+  CHECK_THROWS_AS(gradavg::libtorch::average_module_gradients(bags), gradavg::missing_gradient_error);
+  CHECK(torch::equal(bags[0]->head->weight.grad(), head0));
+  CHECK(bags[0]->emb->weight.grad().unsafeGetTensorImpl() == emb0.unsafeGetTensorImpl());
+
+  gradavg::libtorch::module_options mopts;
+  mopts.absent_as_zeros = true;
+  const auto report = gradavg::libtorch::average_module_gradients(bags, {}, mopts);
+  CHECK(report.zero_filled == std::vector<std::string>{"emb.weight"});
+  CHECK(report.report.averaged == 3);
+  CHECK(torch::allclose(bags[1]->emb->weight.grad().to_dense(), emb0.to_dense() / 2));
+  CHECK(torch::allclose(bags[1]->head->weight.grad(), (head0 + head1) / 2));
 }
