@@ -41,14 +41,17 @@ summary average_into_own_dtypes(const TG& tg, std::vector<at::Tensor>& means, st
   return gradavg::detail::average_into_impl<true>(tg, means, gradavg::detail::no_squares, opts);
 }
 
-/// The parameters whose gradient is a sparse tensor on some replica, in named_parameters() order;
-/// none where the replicas list different parameter counts (the dense call reports that).
-inline std::vector<std::size_t> sparse_parameters(const std::vector<named_tensors>& params) {
+/// The parameters whose gradient is a sparse tensor on some replica, in named_parameters() order,
+/// but those `done` marks (null, or bits as presence's); none where the replicas list different
+/// parameter counts (the dense call reports that).
+inline std::vector<std::size_t> sparse_parameters(const std::vector<named_tensors>& params,
+                                                  const std::vector<std::uint64_t>* done = nullptr) {
   std::vector<std::size_t> sparse;
   for (const auto& p : params)
     if (p.size() != params[0].size()) return sparse;
   for (std::size_t i = 0; !params.empty() && i < params[0].size(); ++i)
     for (const auto& p : params) {
+      if (replica_call::marked(done, i)) break;
       const at::Tensor& v = p[i].value();
       if (v.requires_grad() && v.grad().defined() && v.grad().is_sparse()) {
         sparse.push_back(i);
@@ -72,7 +75,9 @@ inline at::Tensor no_rows_like(const at::Tensor& p) {
 /// average_replicas(..., dense), those read as absent; once both have succeeded, each sparse mean
 /// becomes the grad() of every receiving replica (one tensor, shared by them: an optimizer reads
 /// it). An error in either call leaves every replica as it was. The report merges both calls':
-/// counts and statistics summed, names in named_parameters() order.
+/// counts and statistics summed, names in named_parameters() order; dense(done) gets the sparse
+/// parameters' bits and may mask more parameters (data_parallel's buckets), which it counts as
+/// skipped, as average_replicas does.
 template <class Dense>
 module_report average_with_sparse(std::span<::torch::nn::Module* const> replicas, const std::vector<named_tensors>& params,
                                   const std::vector<std::size_t>& sparse, const options& opts,
@@ -129,7 +134,9 @@ module_report average_with_sparse(std::span<::torch::nn::Module* const> replicas
       result.zero_filled.push_back(is_sparse ? name : std::move(dense_report.zero_filled[next_filled++]));
     j += is_sparse ? 1 : 0;
   }
-  result.report.skipped = result.skipped.size();
+  // The dense call counted the sparse parameters as skipped (read as absent); the sparse call
+  // counted its own. Parameters that `dense` masks stay counted, as the dense call counts them.
+  result.report.skipped -= std::min(result.report.skipped, sparse.size());
   return result;
 }
 

@@ -4,7 +4,10 @@
 // bucket, a worker thread averages it (the same call as average_module_gradients, over the
 // bucket's parameters), while the backward passes go on with earlier layers. When the last
 // backward returns, finish() averages the buckets still waiting beside the worker, then what no
-// bucket covered.
+// bucket covered. The weight of an Embedding or EmbeddingBag built with sparse(true) is in no
+// bucket: finish() averages its sparse gradients as average_module_gradients does (a coalesced
+// sparse mean in every replica's grad()). Across processes (process_data_parallel) sparse
+// gradients are refused.
 // Link the CMake target gradavg::torch.
 #pragma once
 
@@ -137,14 +140,28 @@ class data_parallel {
       }
     }
     if (done_count == parameter_count_ && done_count > 0) return merged(reports, 0);
-    const module_report rest = detail::average_replicas(
-        replicas_, opts_, mopts_, [](detail::presence&, const module_options&) {},
-        [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
-            std::span<variable_statistics>) {
-          if (prior) std::rethrow_exception(prior);
-          return detail::average_into_own_dtypes(tg, means, nullptr, opts_);
-        },
-        &done, &params_);
+    const auto rest_of = [&](const std::vector<std::uint64_t>& masked) {
+      return detail::average_replicas(
+          replicas_, opts_, mopts_, [](detail::presence&, const module_options&) {},
+          [&](const auto& tg, auto& means, std::vector<at::Tensor>*, std::exception_ptr prior,
+              std::span<variable_statistics>) {
+            if (prior) std::rethrow_exception(prior);
+            return detail::average_into_own_dtypes(tg, means, nullptr, opts_);
+          },
+          &masked, &params_);
+    };
+    // Sparse gradients (an Embedding with sparse(true)) among the rest: averaged by the row-sparse
+    // call, as average_module_gradients does.
+    const std::vector<std::size_t> sparse = detail::sparse_parameters(params_, &done);
+    const module_report rest =
+        sparse.empty() ? rest_of(done)
+                       : detail::average_with_sparse(replicas_, params_, sparse, opts_, mopts_,
+                                                     [&](const std::vector<std::uint64_t>* sparse_done) {
+                                                       std::vector<std::uint64_t> masked = done;
+                                                       for (std::size_t w = 0; w < masked.size(); ++w)
+                                                         masked[w] |= (*sparse_done)[w];
+                                                       return rest_of(masked);
+                                                     });
     reports.push_back(&rest);
     return merged(reports, done_count);
   }
@@ -212,8 +229,11 @@ class data_parallel {
       detail::check_bucket_options(opts_, mopts_);
       params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
       parameter_count_ = params_.empty() ? 0 : params_[0].size();
+      // On threads, a sparse embedding's weight stays out of the buckets: finish() averages it.
+      std::vector<std::uint64_t> sparse;
+      if (!params_.empty() && !over_) sparse = detail::sparse_weights(*replicas_[0], params_[0]);
       if (!params_.empty())
-        for (auto& parameters : detail::assign_buckets(params_[0], buckets.bytes)) {
+        for (auto& parameters : detail::assign_buckets(params_[0], buckets.bytes, over_ ? nullptr : &sparse)) {
           buckets_.emplace_back();
           buckets_.back().parameters = std::move(parameters);
         }

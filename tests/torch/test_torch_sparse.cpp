@@ -5,6 +5,7 @@
 // average_module_gradients over a module with a sparse embedding and a dense head (the sparse
 // mean in every replica, bit for bit; absent_as_zeros; an error that writes nothing).
 #include <gradavg/torch.hpp>
+#include <gradavg/torch_data_parallel.hpp>
 #include <gradavg/torch_sparse.hpp>
 
 #include <torch/torch.h>
@@ -260,8 +261,8 @@ struct BagImpl : torch::nn::Module {
 };
 TORCH_MODULE(Bag);
 
-/// K replicas of one Bag, each run backward on its own words.
-std::vector<Bag> bags_after_backward(std::size_t k_count) {
+/// K replicas of one Bag (the same parameters, from seed 11).
+std::vector<Bag> same_bags(std::size_t k_count) {
   torch::manual_seed(11);
   std::vector<Bag> bags;
   for (std::size_t k = 0; k < k_count; ++k) {
@@ -269,8 +270,21 @@ std::vector<Bag> bags_after_backward(std::size_t k_count) {
     if (k > 0)
       for (std::size_t i = 0; i < bags[0]->parameters().size(); ++i)
         bags[k]->parameters()[i].data().copy_(bags[0]->parameters()[i].data());
+  }
+  return bags;
+}
+
+/// Each replica's backward on its own words (replica k's the same for every call).
+void run_backward(std::vector<Bag>& bags) {
+  for (std::size_t k = 0; k < bags.size(); ++k) {
+    torch::manual_seed(100 + k);
     bags[k]->forward(torch::randint(0, 60, {5, 7}, at::kLong)).pow(2).sum().backward();
   }
+}
+
+std::vector<Bag> bags_after_backward(std::size_t k_count) {
+  auto bags = same_bags(k_count);
+  run_backward(bags);
   return bags;
 }
 
@@ -325,4 +339,28 @@ TEST_CASE("average_module_gradients over an Embedding(sparse=true): absent on a 
   CHECK(report.report.averaged == 3);
   CHECK(torch::allclose(bags[1]->emb->weight.grad().to_dense(), emb0.to_dense() / 2));
   CHECK(torch::allclose(bags[1]->head->weight.grad(), (head0 + head1) / 2));
+}
+
+TEST_CASE("data_parallel over an Embedding(sparse=true): the embedding outside the buckets, its mean that of average_module_gradients") {
+  auto reference = bags_after_backward(3);
+  gradavg::libtorch::average_module_gradients(reference);
+
+  auto bags = same_bags(3);
+  gradavg::libtorch::data_parallel dp(bags, {}, {}, gradavg::libtorch::bucket_options{.bytes = 16});
+  for (const auto& bucket : dp.buckets())
+    CHECK(std::find(bucket.begin(), bucket.end(), std::size_t{0}) == bucket.end());  // emb.weight
+  for (int step = 0; step < 2; ++step) {
+    for (auto& b : bags) b->zero_grad(true);
+    run_backward(bags);
+    const auto report = dp.finish();
+    CHECK(report.report.averaged == 3);
+    CHECK(report.report.skipped == 0);
+    CHECK(report.skipped.empty());
+    for (auto& b : bags) {
+      CHECK(b->emb->weight.grad().is_sparse());
+      CHECK(torch::equal(b->emb->weight.grad().to_dense(), reference[0]->emb->weight.grad().to_dense()));
+      CHECK(torch::equal(b->head->weight.grad(), reference[0]->head->weight.grad()));
+      CHECK(torch::equal(b->head->bias.grad(), reference[0]->head->bias.grad()));
+    }
+  }
 }

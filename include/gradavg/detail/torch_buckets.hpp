@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <torch/nn/modules/embedding.h>
+
 #include "../errors.hpp"
 #include "../options.hpp"
 #include "../torch_types.hpp"
@@ -36,15 +38,35 @@ inline void check_bucket_options(const options& opts, const module_options& mopt
                        " is not available with buckets (it spans every parameter); use average_module_gradients");
 }
 
-/// Buckets of parameter indices over the parameters of `params` that require a gradient, in
-/// reverse order: consecutive parameters of one dtype until their bytes would pass `bytes` (a
-/// larger parameter is a bucket of its own).
-inline std::vector<std::vector<std::size_t>> assign_buckets(const named_tensors& params, std::size_t bytes) {
+/// The weights of the Embedding and EmbeddingBag modules of `replica` built with sparse(true), as
+/// bits (presence's) over `params`, its named_parameters(): their gradients are sparse, which a
+/// bucket's dense call does not take.
+inline std::vector<std::uint64_t> sparse_weights(::torch::nn::Module& replica, const named_tensors& params) {
+  std::vector<std::uint64_t> bits((params.size() + 63) / 64, 0);
+  replica.apply([&](const std::string& name, ::torch::nn::Module& m) {
+    bool sparse = false;
+    if (const auto* e = dynamic_cast<const ::torch::nn::EmbeddingImpl*>(&m))
+      sparse = e->options.sparse();
+    else if (const auto* b = dynamic_cast<const ::torch::nn::EmbeddingBagImpl*>(&m))
+      sparse = b->options.sparse();
+    if (!sparse) return;
+    const std::string weight = name.empty() ? std::string("weight") : name + ".weight";
+    for (std::size_t i = 0; i < params.size(); ++i)
+      if (params[i].key() == weight) presence::set(bits, i);
+  });
+  return bits;
+}
+
+/// Buckets of parameter indices over the parameters of `params` that require a gradient, but those
+/// `excluded` marks (bits as presence's, or null), in reverse order: consecutive parameters of one
+/// dtype until their bytes would pass `bytes` (a larger parameter is a bucket of its own).
+inline std::vector<std::vector<std::size_t>> assign_buckets(const named_tensors& params, std::size_t bytes,
+                                                            const std::vector<std::uint64_t>* excluded = nullptr) {
   std::vector<std::vector<std::size_t>> buckets;
   std::size_t filled = 0;
   for (std::size_t n = params.size(); n-- > 0;) {
     const at::Tensor& p = params[n].value();
-    if (!p.defined() || !p.requires_grad()) continue;
+    if (!p.defined() || !p.requires_grad() || replica_call::marked(excluded, n)) continue;
     const std::size_t size = p.nbytes();
     if (buckets.empty() || filled + size > bytes ||
         params[buckets.back().back()].value().scalar_type() != p.scalar_type()) {
