@@ -6,8 +6,8 @@
 // backward returns, finish() averages the buckets still waiting beside the worker, then what no
 // bucket covered. The weight of an Embedding or EmbeddingBag built with sparse(true) is in no
 // bucket: finish() averages its sparse gradients as average_module_gradients does (a coalesced
-// sparse mean in every replica's grad()). Across processes (process_data_parallel) sparse
-// gradients are refused.
+// sparse mean in every replica's grad()). Across processes (process_data_parallel) such an
+// embedding is refused at construction (unsupported_tensor_error on every process).
 // Link the CMake target gradavg::torch.
 #pragma once
 
@@ -230,10 +230,18 @@ class data_parallel {
       params_ = detail::alike_states(replicas_, detail::state_kind::parameters);
       parameter_count_ = params_.empty() ? 0 : params_[0].size();
       // On threads, a sparse embedding's weight stays out of the buckets: finish() averages it.
+      // Across processes, sparse gradients are not averaged yet: refused here, on every process.
       std::vector<std::uint64_t> sparse;
-      if (!params_.empty() && !over_) sparse = detail::sparse_weights(*replicas_[0], params_[0]);
+      if (!params_.empty()) sparse = detail::sparse_weights(*replicas_[0], params_[0]);
+      for (std::size_t i = 0; over_ && i < parameter_count_; ++i)
+        if (detail::presence::has(sparse, i))
+          throw unsupported_tensor_error("gradavg::libtorch: parameter #" + std::to_string(i) + " '" + params_[0][i].key() +
+                                             "' is the weight of an embedding built with sparse(true), whose gradients "
+                                             "are sparse; across processes gradavg averages dense gradients only "
+                                             "(build it with sparse(false))",
+                                         i);
       if (!params_.empty())
-        for (auto& parameters : detail::assign_buckets(params_[0], buckets.bytes, over_ ? nullptr : &sparse)) {
+        for (auto& parameters : detail::assign_buckets(params_[0], buckets.bytes, &sparse)) {
           buckets_.emplace_back();
           buckets_.back().parameters = std::move(parameters);
         }

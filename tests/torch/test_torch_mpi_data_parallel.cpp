@@ -378,6 +378,15 @@ TEST_CASE("mpi_data_parallel: a rank that cannot set up, or buckets that differ,
     else
       CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::remote_error>(make), "another rank"));
   }
+  SECTION("a sparse embedding: unsupported_tensor_error on every rank, naming it") {
+    torch::nn::Sequential model(torch::nn::Embedding(torch::nn::EmbeddingOptions(10, 3).sparse(true)),
+                                torch::nn::Linear(3, 2));
+    const std::vector<torch::nn::Sequential> replicas{model};
+    const std::string m = gradavg_test::message_of<gradavg::unsupported_tensor_error>(
+        [&] { gradavg_test::world_data_parallel dp(gradavg_test::world(), replicas); });
+    CHECK(gradavg_test::contains(m, "parameter #0 '0.weight'"));
+    CHECK(gradavg_test::contains(m, "sparse(true)"));
+  }
   SECTION("another bucket size on rank 0: variable_mismatch_error on every rank") {
     const std::size_t bytes = world_rank() == 0 ? 1 : std::size_t{1} << 20;
     CHECK(gradavg_test::contains(gradavg_test::message_of<gradavg::variable_mismatch_error>([&] {
