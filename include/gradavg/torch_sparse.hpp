@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "detail/isa.hpp"
+#include "detail/types.hpp"
 #include "errors.hpp"
 #include "options.hpp"
 #include "results.hpp"
@@ -180,30 +181,22 @@ inline at::ScalarType outputs_dtype(at::ScalarType gradients, std::span<const at
   return gradients;
 }
 
-/// Calls f.template operator()<S, O>() with the value types of those dtypes.
-template <class F>
-decltype(auto) with_sparse_types(at::ScalarType gradients, at::ScalarType outputs, F&& f) {
-  switch (gradients) {
-    case at::kDouble: return f.template operator()<double, double>();
-    case at::kHalf:
-      if (outputs == at::kFloat) return f.template operator()<Eigen::half, float>();
-      return f.template operator()<Eigen::half, Eigen::half>();
-    case at::kBFloat16:
-      if (outputs == at::kFloat) return f.template operator()<Eigen::bfloat16, float>();
-      return f.template operator()<Eigen::bfloat16, Eigen::bfloat16>();
-    default: return f.template operator()<float, float>();
-  }
-}
-
-/// Calls f.template operator()<S>() with the value type of the gradients' dtype.
+/// Calls f.template operator()<S>() with the value type of the gradients' dtype (one gradavg
+/// reads: gradients_dtype), through the element type list (detail/types.hpp).
 template <class F>
 decltype(auto) with_value_type(at::ScalarType gradients, F&& f) {
-  switch (gradients) {
-    case at::kDouble: return f.template operator()<double>();
-    case at::kHalf: return f.template operator()<Eigen::half>();
-    case at::kBFloat16: return f.template operator()<Eigen::bfloat16>();
-    default: return f.template operator()<float>();
-  }
+  return gradavg::detail::with_element(shared_detail::element_of(gradients), std::forward<F>(f));
+}
+
+/// Calls f.template operator()<S, O>() with the value types of those dtypes: O is float where the
+/// outputs are and S's traits allow float outputs (16-bit S), else S.
+template <class F>
+decltype(auto) with_sparse_types(at::ScalarType gradients, at::ScalarType outputs, F&& f) {
+  return with_value_type(gradients, [&]<class S>() {
+    if constexpr (gradavg::detail::element_traits<S>::float_outputs)
+      if (outputs == at::kFloat) return f.template operator()<S, float>();
+    return f.template operator()<S, S>();
+  });
 }
 
 /// tg's towers with each gradient as sparse_coo<V>, the variables copied (a tensor's reference
