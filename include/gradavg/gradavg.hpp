@@ -7,6 +7,8 @@
 #include "options.hpp"   // gradavg::options
 #include "statistics.hpp"  // summary, variable_statistics, noise_estimate
 #include "plan.hpp"      // plan: one call's checks kept for the next steps
+#include "timeline.hpp"  // timeline: a Chrome trace of the calls, call_profile
+#include "log.hpp"       // logger: what the calls chose, at a log_level
 #include "executor.hpp"  // threads: executor, thread_pool
 #include "simd.hpp"      // simd_level_in_use, force_simd_level: the kernel's instruction-set level
 #include "tensor.hpp"    // tensor_traits, shape; std::vector / std::span / std::array support

@@ -16,6 +16,8 @@
 namespace gradavg {
 
 class executor;
+class timeline;
+class logger;
 
 /// options.run.threads left unset: the pool's concurrency when options.run.pool is given, else 1.
 inline constexpr std::size_t default_threads = std::numeric_limits<std::size_t>::max();
@@ -208,6 +210,13 @@ struct run_options {
 
   /// Where threaded work runs; not owned. Null: threads started for the call (see executor.hpp).
   executor* pool = nullptr;
+
+  /// Where the call records its events (timeline.hpp); not owned. Null (the default): nothing
+  /// is recorded, and the call pays one test of the pointer.
+  gradavg::timeline* timeline = nullptr;
+
+  /// Where the call writes what it chose (log.hpp); not owned. Null (the default): nothing.
+  gradavg::logger* log = nullptr;
 };
 
 /// How average_gradients_into checks its outputs before writing (the allocating calls' outputs

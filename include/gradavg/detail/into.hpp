@@ -9,6 +9,7 @@
 
 #include "access.hpp"
 #include "check.hpp"
+#include "choices.hpp"
 #include "elements.hpp"
 #include "isa.hpp"
 #include "pass.hpp"
@@ -35,10 +36,17 @@ summary average_into_typed(const TG& tg, Means& means, Squares* squares, const o
   const std::size_t towers = std::ranges::size(tg);
   check_scratch scratch;  // uninitialised arrays: costs nothing unless used
   layout_proof* const proof = planned != nullptr ? proving_into(*planned) : nullptr;
-  const validated v = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch, proof);
-  validate_options(opts, towers, v.variables, accumulator_max<S>(opts));
-  check_weights_apart(tg, v.layout, v.variables, towers, sizeof(O), opts);
-  if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, v, opts.check.aliasing);
+  const validated v = [&] {
+    const shared_detail::traced_span span(opts.run.timeline, "checks");
+    validated checked = validate_into<TG, Means, Squares, S, O>(tg, means, squares, opts, scratch, proof);
+    validate_options(opts, towers, checked.variables, accumulator_max<S>(opts));
+    check_weights_apart(tg, checked.layout, checked.variables, towers, sizeof(O), opts);
+    if (planned != nullptr) keep_proof<S, O>(*planned, signature, tg, checked, opts.check.aliasing);
+    return checked;
+  }();
+  log_choices<S, O>(opts, planned != nullptr ? log_level::info : log_level::debug,
+                    planned != nullptr ? "plan proved" : "call", v.variables, v.averaged, v.skipped, v.elements, towers,
+                    with_squares);
   return average_layout<S, O>(v.layout, v.variables, towers, with_squares, v.elements, v.averaged, v.skipped, opts);
 }
 
@@ -70,6 +78,8 @@ summary average_planned(plan& p, const TG& tg, bool with_squares, const options&
     A::ready(p) = false;  // a failed call empties the plan
     throw;
   }
+  log_choices<S, O>(opts, log_level::debug, "call (plan holds)", A::variables(p), A::averaged(p), A::skipped(p),
+                    A::elements(p), A::towers(p), with_squares);
   return average_layout<S, O>(A::proof(p).table(), A::variables(p), A::towers(p),
                               with_squares, A::elements(p), A::averaged(p), A::skipped(p), opts);
 }

@@ -19,6 +19,7 @@
 #include "kernel.hpp"
 #include "parallel.hpp"
 #include "segment_walk.hpp"
+#include "trace.hpp"
 #include "../entry.hpp"
 #include "../errors.hpp"
 #include "../executor.hpp"
@@ -222,6 +223,7 @@ inline summary make_summary(std::size_t averaged, std::size_t skipped, std::size
 template <class S, class O>
 summary average_layout(const buffer_table& layout, std::size_t variables, std::size_t towers, bool with_squares,
                        std::size_t elements, std::size_t averaged, std::size_t skipped, const options& opts) {
+  const shared_detail::traced_span span(opts.run.timeline, "pass");
   const pass_table table{layout, elements};
   const pass_result pass = with_accumulator<S>(
       opts, [&]<class Acc>() { return average_pass<S, Acc, O>(variables, towers, table, with_squares, opts); });

@@ -44,6 +44,7 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   using base::prepare;
   using base::total_weight;
   using base::words;
+  using base::trace;
 
   plan* planned = nullptr;  // the caller's plan, or null
 
@@ -327,7 +328,11 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
   summary operator()(std::exception_ptr prior) {
     std::uint64_t header[header_words];
     std::size_t failed_variable = error::npos;
+    trace.begin_call(opts.run.timeline, rank);
+    const std::uint64_t checks_began = trace.start();
     const std::exception_ptr own = local_checks(prior, header, &failed_variable);
+    trace.phase("checks", checks_began);
+    const std::uint64_t agreement_began = trace.start();
     // Collective 1: (rank << 32 | variable) of the lowest rank that failed, else all ones; and the
     // lowest plan_state.
     constexpr std::uint64_t none = ~std::uint64_t{0};
@@ -358,6 +363,8 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
         agree_on_headers(words().headers());
         keep_agreement(header);
       }
+      trace.phase("agreement", agreement_began);
+      this->log_what = "call (plan holds)";
       return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
     }
     // Collective 2: every rank's header. After it, every rank holds the same variable count
@@ -369,7 +376,12 @@ struct call : data_path<Transport, TG, Means, Squares, S, O> {
     if (vw != 0) wire.max_words(words().own_variables(), words().reduced(), vw);
     if (const auto [i, how] = first_disagreement(words().reduced(), variables); how != disagreement::none)
       throw_variable_error(i, how);
-    if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) keep_agreement(header);
+    if (planned != nullptr && gradavg::detail::plan_access::ready(*planned)) {
+      keep_agreement(header);
+      this->log_at = log_level::info;
+      this->log_what = "plan proved";
+    }
+    trace.phase("agreement", agreement_began);
     return gradavg::detail::with_accumulator<S>(local, [&]<class Acc>() { return this->template run<Acc>(); });
   }
 };

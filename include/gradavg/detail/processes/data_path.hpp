@@ -21,7 +21,9 @@
 #include "workspace.hpp"
 #include "../into.hpp"
 #include "../isa.hpp"
+#include "../choices.hpp"
 #include "../ordered_statistics.hpp"
+#include "../trace.hpp"
 #include "../../errors.hpp"
 #include "../../statistics.hpp"
 
@@ -77,6 +79,10 @@ struct data_path {
   std::size_t slot_elements = 0, slot_len = 0;  // output_mode::sharded: a slot's run and buffer elements
   bool stream_outputs = false;  // options.run.stores decided for this rank's data (prepare())
   bucket_set set[3] = {};
+  gradavg::shared_detail::call_trace trace = {};  // options.run.timeline's events and profile (trace.hpp)
+  /// The line options.run.log gets (run()): at info when this call proves a plan (call.hpp).
+  log_level log_at = log_level::debug;
+  const char* log_what = "call";
   bool squares_in_buffer() const noexcept { return with_squares || opts.compute.statistics; }
   bool detect() const noexcept { return opts.compute.on_nonfinite != nonfinite_policy::ignore; }
   bool sharded() const noexcept { return opts.exchange.output == output_mode::sharded; }
@@ -186,9 +192,9 @@ struct data_path {
   std::size_t element_bytes() const noexcept { return sizeof(Buf) * (squares_in_buffer() ? 2 : 1); }
   std::size_t set_count() const noexcept { return std::min<std::size_t>(3, buckets); }
   /// How a bucket's contributions move and are summed (exchange.hpp).
-  exchange_type exchange() const noexcept {
+  exchange_type exchange() noexcept {
     float* residual = opts.exchange.residual.empty() ? nullptr : opts.exchange.residual.data();
-    return {wire, {opts.exchange.compression}, {residual, opts.exchange.seed}};
+    return {wire, {opts.exchange.compression}, {residual, opts.exchange.seed}, trace.on() ? &trace : nullptr};
   }
   /// Variable i's element count and first flat element (prepare()'s table).
   std::size_t size_of(std::size_t i) const noexcept { return static_cast<std::size_t>(sizes[2 * i]); }
@@ -218,6 +224,13 @@ struct data_path {
   bucket_shape slot_shape(std::size_t b, int r) const {
     const element_range run = shard_run({range_begin, range_end}, ranks, r, b, slot_elements);
     return shape_of_run(run.begin, run.end);
+  }
+
+  /// Bytes this rank's pass reads and writes: its towers' gradients over the range, its outputs
+  /// over the elements it receives (call_profile::local_bytes).
+  std::uint64_t local_bytes() const noexcept {
+    return static_cast<std::uint64_t>(towers * sizeof(S) * (range_end - range_begin) +
+                                      (with_squares ? 2 : 1) * sizeof(O) * (own.end - own.begin));
   }
 
   /// Progress of the buckets in flight while the kernel runs (exchange.hpp: transport::test).
@@ -405,6 +418,7 @@ struct data_path {
     bucket_shape shapes[3];
     for (std::size_t b = 0; b < buckets + 2; ++b) {
       if (b < buckets) {
+        const std::uint64_t began = trace.start();
         bucket_set& bs = set[b % 3];
         shapes[b % 3] = sharded() ? slot_shape(b, rank) : shape_of_bucket(b);
         const std::size_t len = sharded() ? static_cast<std::size_t>(ranks) * slot_len : shapes[b % 3].parts.len();
@@ -423,23 +437,33 @@ struct data_path {
           exchange().start_slots([&](int r) { return slot_shape(b, r).parts; }, slot_len, bs);
         else
           exchange().start(shapes[b % 3].parts, bs);
+        trace.local("fill", began, b);
+        trace.departed(b);
       }
       if (b >= 1 && b - 1 < buckets) {
+        const std::uint64_t began = trace.start();
         bucket_set& bs = set[(b - 1) % 3];
-        if (sharded())
+        if (sharded()) {
           exchange().reduce_slot(shapes[(b - 1) % 3].parts, slot_len, bs);
-        else
+          trace.arrived(b - 1, b - 1);
+          trace.local("sum", began, b - 1);
+        } else {
           exchange().reduce_and_gather(shapes[(b - 1) % 3].parts, bs);
+          trace.local("sum", began, b - 1, 1);  // the bucket itself is on the wire
+        }
       }
       if (b >= 2) {
+        const std::uint64_t began = trace.start();
         bucket_set& bs = set[(b - 2) % 3];
         const bucket_shape& sh = shapes[(b - 2) % 3];
         if (sharded()) {
           if (sh.end > sh.begin) unpack<Acc>(sh, bs.local + static_cast<std::size_t>(rank) * slot_len, stats);
         } else {
           exchange().finish(sh.parts, bs);
+          trace.arrived(b - 2, b - 2);
           unpack<Acc>(sh, bs.local, stats);
         }
+        trace.local("unpack", began, b - 2);
       }
     }
     return failure;
@@ -457,11 +481,31 @@ struct data_path {
 
   /// The data path: the pipeline over every bucket, then the last collective (the lowest rank
   /// whose kernel failed, if any), and the call's summary.
+  /// Writes what this call chose to options.run.log at log_at, where it takes that level:
+  /// choices.hpp's words for this rank's part, then the buckets and the exchange.
+  void log_choices(const summary& counted) const {
+    if (opts.run.log == nullptr || !opts.run.log->enabled(log_at)) return;
+    static constexpr const char* formats[] = {"none", "bfloat16", "float16", "int8"};
+    const auto format = static_cast<std::size_t>(opts.exchange.compression);
+    const std::size_t n = range_end > range_begin ? range_end - range_begin : 0;
+    std::string line = std::string(Transport::caller) + ": rank " + std::to_string(rank) + " of " +
+                       std::to_string(ranks) + ": " + log_what + ": " +
+                       gradavg::detail::choices_line<S, O>(local, variables, counted.averaged, counted.skipped, n, towers,
+                                                           with_squares, static_cast<std::size_t>(local_bytes()));
+    line += ", " + std::to_string(counted.towers) + " towers in all; " + std::to_string(buckets) + " buckets of " +
+            std::to_string(bucket_elements * element_bytes()) + " bytes, exchange method " +
+            std::to_string(wire.method_code()) + ", wire format " + (format < 4 ? formats[format] : "?") +
+            ", output " + (sharded() ? "sharded" : "replicated");
+    opts.run.log->write(log_at, line);
+  }
+
   template <class Acc>
   summary run() {
     summary result = counts();
+    log_choices(result);
     if (range_begin >= range_end) {
       if (opts.compute.statistics) result.sum_mean_squared = result.sum_mean_of_squares = 0;
+      trace.end_call(0);
       return result;
     }
     const double* weights = opts.compute.weights.empty() ? nullptr : opts.compute.weights.data();
@@ -479,7 +523,9 @@ struct data_path {
     std::fill(outcome + 1, outcome + 1 + flag_words, ~std::uint64_t{0});
     for (std::size_t i = 0; i < variables && flag_words != 0; ++i)
       if (work.nonfinite[i] != 0) outcome[1 + i / 64] &= ~(std::uint64_t{1} << (i % 64));
+    const std::uint64_t last_began = trace.start();
     wire.min_words(outcome, work.outcome.size());
+    trace.phase("outcome", last_began);
     const std::uint64_t failed_rank = outcome[0];
     wire.rethrow_noted();
     if (failure) std::rethrow_exception(failure);
@@ -488,6 +534,7 @@ struct data_path {
                          " failed while averaging (an exception from user code there, after validation: see the "
                          "error thrown there); the outputs of this call are partly written on every rank");
     if (sharded()) finish_shard(outcome + 1, flag_words);
+    trace.end_call(local_bytes());
     result.nonfinite_variables = nonfinite_variables;
     if (opts.compute.statistics) {
       result.sum_mean_squared = stats.everything().sum_mean_squared;

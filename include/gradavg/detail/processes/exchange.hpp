@@ -16,6 +16,7 @@
 #include <string>
 
 #include "codec.hpp"
+#include "../trace.hpp"
 #include "../../errors.hpp"
 #include "../../options.hpp"
 #include "../isa.hpp"
@@ -172,6 +173,7 @@ struct owner_sum {
   Transport& wire;
   codec<Buf> format;
   wire_state state;
+  gradavg::shared_detail::call_trace* trace = nullptr;  // the call's timeline, or null (timeline.hpp)
 
   [[nodiscard]] slice_layout layout(const bucket_parts& parts) const noexcept {
     if (format.encodes()) return {parts.blocks(), format.block_bytes(), wire.ranks()};
@@ -192,28 +194,28 @@ struct owner_sum {
     if (format.encodes()) {
       std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
       for (std::size_t k = 0; k < l.len; ++k) encode_contribution(parts, k, b.local, encoded + k * l.element);
-      wire.scatter(b.set, encoded, encoded + l.at(wire.ranks()), l);
+      scatter(b, encoded, encoded + l.at(wire.ranks()), l);
       return;
     }
-    wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
+    scatter(b, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
   }
 
   /// Waits for the contributions, sums them in rank order into this rank's slice (its own
   /// contribution is there already), and starts the sum's way to every other rank.
   void reduce_and_gather(const bucket_parts& parts, bucket_buffers<Buf>& b) {
-    wire.wait(b.set);
+    wait(b);
     const slice_layout l = layout(parts);
     if (format.encodes()) {
       reduce_blocks(parts, l, b);
       return;
     }
     sum_slice(l, b);
-    wire.gather(b.set, reinterpret_cast<std::byte*>(b.local), l);
+    gather(b, reinterpret_cast<std::byte*>(b.local), l);
   }
 
   /// Waits for every slice's sums; decodes them into the bucket's buffer when encoded.
   void finish(const bucket_parts& parts, bucket_buffers<Buf>& b) {
-    wire.wait(b.set);
+    wait(b);
     if (!format.encodes()) return;
     const slice_layout l = layout(parts);
     const std::byte* encoded = reinterpret_cast<const std::byte*>(b.recv);
@@ -250,7 +252,7 @@ struct owner_sum {
   void start_slots(const PartsOf& parts_of, std::size_t slot_len, bucket_buffers<Buf>& b) {
     const slice_layout l = slot_layout(slot_len);
     if (!format.encodes()) {
-      wire.scatter(b.set, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
+      scatter(b, reinterpret_cast<const std::byte*>(b.local), reinterpret_cast<std::byte*>(b.recv), l);
       return;
     }
     std::byte* encoded = reinterpret_cast<std::byte*>(b.recv);
@@ -262,13 +264,13 @@ struct owner_sum {
         encode_contribution(parts, k, b.local + static_cast<std::size_t>(r) * slot_len, slot + k * l.element);
       std::memset(slot + used * l.element, 0, l.bytes(r) - used * l.element);  // sent, never read
     }
-    wire.scatter(b.set, encoded, encoded + l.at(wire.ranks()), l);
+    scatter(b, encoded, encoded + l.at(wire.ranks()), l);
   }
 
   /// Waits for the contributions to this rank's slot (parts: its parts) and sums them in rank
   /// order into the slot, in Buf (decoded first when encoded; the sum is not encoded again).
   void reduce_slot(const bucket_parts& parts, std::size_t slot_len, bucket_buffers<Buf>& b) {
-    wire.wait(b.set);
+    wait(b);
     const slice_layout l = slot_layout(slot_len);
     if (!format.encodes()) {
       sum_slice(l, b);
@@ -370,7 +372,32 @@ struct owner_sum {
         for (std::size_t j = 0; j < place.count; ++j) residual[j] += static_cast<float>(sum[j]) - x[j];
       }
     }
-    wire.gather(b.set, encoded, l);
+    gather(b, encoded, l);
+  }
+
+  // The transport's moves and waits, counted and timed on the call's timeline when it has one.
+  void scatter(bucket_buffers<Buf>& b, const std::byte* from, std::byte* to, const slice_layout& l) {
+    wire.scatter(b.set, from, to, l);
+    if (trace != nullptr) {
+      const std::size_t own = l.bytes(wire.rank()), others = l.at(wire.ranks()) - own;
+      trace->moved(others, own * static_cast<std::size_t>(wire.ranks() - 1));
+    }
+  }
+  void gather(bucket_buffers<Buf>& b, std::byte* bytes, const slice_layout& l) {
+    wire.gather(b.set, bytes, l);
+    if (trace != nullptr) {
+      const std::size_t own = l.bytes(wire.rank()), others = l.at(wire.ranks()) - own;
+      trace->moved(own * static_cast<std::size_t>(wire.ranks() - 1), others);
+    }
+  }
+  void wait(bucket_buffers<Buf>& b) {
+    if (trace == nullptr) {
+      wire.wait(b.set);
+      return;
+    }
+    const std::uint64_t begin = trace->start();
+    wire.wait(b.set);
+    trace->waited(begin, b.set);
   }
 };
 
