@@ -38,7 +38,13 @@
 //   mpiexec -n 2 gradavg_bench_mpi [--model resnet50|bert_base|small_1000x64|all] [--towers 1,8]
 //       [--squares 0|1|2 (both)] [--rounds N] [--fusion-mib 0,16] [--threads N] [--horovod 0|1]
 //       [--schedules 0|1] [--point-to-point 0|1] [--plan 0|1] [--compression 0|1] [--sharded 0|1]
-//       [--gap-ms N]
+//       [--gap-ms N] [--timeline 0|1]
+// --timeline 1: also gradavg/auto/plan/timeline, the planned call with a gradavg::timeline
+// attached (its events cleared before each call): its cost against gradavg/auto/plan, and the
+// overlap its profile reports (call_profile::overlap(), rank 0's median) beside the bench's own,
+// (local + exchange_collectives - gradavg/auto/plan) / local, with --schedules 1. With
+// GRADAVG_TIMELINE set, the last call's events are written there (one model, towers and squares
+// setting per run: each writes over the last).
 // --gap-ms N: every rank sleeps N ms before each timed call, so that each starts on an idle link
 // (a shaped link's token bucket full, as after a training step's compute); default 0: back to
 // back, where a method that starts sending sooner finds the bucket emptier.
@@ -83,6 +89,7 @@ struct config {
   bool compression = false;
   bool sharded = false;
   int gap_ms = 0;
+  bool timeline = false;
 };
 
 int rank_of() {
@@ -393,6 +400,30 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                        },
                        0});
   }
+  // The planned call again, recording into a timeline (cleared after each call: no file).
+  const char* timeline_path = std::getenv("GRADAVG_TIMELINE");
+  gradavg::timeline line(timeline_path != nullptr && *timeline_path != '\0' ? timeline_path : "/dev/null");
+  gradavg::mpi::workspace timeline_work;
+  gradavg::plan timeline_plan;
+  std::vector<double> profile_overlap;
+  std::size_t timeline_method = 0;
+  if (cfg.timeline) {
+    timeline_method = methods.size();
+    methods.push_back({"gradavg/auto/plan/timeline",
+                       [&] {
+                         gradavg::mpi::options opts;
+                         opts.exchange.work = &timeline_work;
+                         opts.run.threads = cfg.threads;
+                         opts.run.timeline = &line;
+                         line.clear();
+                         if (with_squares)
+                           gradavg::mpi::average_gradients_into(timeline_plan, MPI_COMM_WORLD, p.entries, p.means,
+                                                                p.squares, opts);
+                         else gradavg::mpi::average_gradients_into(timeline_plan, MPI_COMM_WORLD, p.entries, p.means, opts);
+                         profile_overlap.push_back(line.last_call().overlap());
+                       },
+                       0});
+  }
   const std::size_t uncompressed_end = methods.size();
   const gradavg::compression formats[3] = {gradavg::compression::bfloat16, gradavg::compression::float16,
                                            gradavg::compression::int8};
@@ -527,6 +558,21 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
                 methods[first_gradavg].name.c_str(), med[first_gradavg] / allreduce, med[first_gradavg] / bound,
                 per_variable / med[first_gradavg], (local + allreduce) / bound, methods[best].name.c_str(),
                 med[best] / allreduce, same ? "bitwise the same on every rank and in every run" : "RESULTS DIFFER");
+    if (cfg.timeline) {
+      // The planned call's time with and without a timeline; overlap from the profile (the
+      // warm-up round's left out) and from the bench's times.
+      std::size_t planned = first_gradavg;
+      for (std::size_t j = first_gradavg; j < timeline_method; ++j)
+        if (methods[j].name == "gradavg/auto/plan") planned = j;
+      std::vector<double> rounds(profile_overlap.begin() + 1, profile_overlap.end());
+      std::printf("    %s: %.3fx %s; overlap from its profile %.0f%%", methods[timeline_method].name.c_str(),
+                  med[timeline_method] / med[planned], methods[planned].name.c_str(), 100 * median(rounds));
+      for (std::size_t j = 0; j < methods.size(); ++j)
+        if (methods[j].name == "exchange_collectives")
+          std::printf(", from the bench's times %.0f%% ((local + exchange_collectives - %s) / local)",
+                      100 * std::clamp((local + med[j] - med[planned]) / local, 0.0, 1.0), methods[planned].name.c_str());
+      std::printf("\n");
+    }
     // The link's time for the bytes a rank sends (each direction): sent_per_value of the
     // encoded values (the format's bytes per block of values), at the link check's rate.
     namespace processes = gradavg::detail::processes;
@@ -544,6 +590,9 @@ bool run_model(const model_shapes& m, int towers, bool with_squares, const confi
     }
     std::fflush(stdout);
   }
+  // The last timed call's events (GRADAVG_TIMELINE), else nothing.
+  if (cfg.timeline && line.file() != "/dev/null") line.write();
+  else line.clear();
   return same;
 }
 
@@ -575,6 +624,7 @@ bool parse(int argc, char** argv, config& c) {
     else if (a == "--compression") c.compression = std::atoi(v) != 0;
     else if (a == "--sharded") c.sharded = std::atoi(v) != 0;
     else if (a == "--gap-ms") c.gap_ms = std::max(0, std::atoi(v));
+    else if (a == "--timeline") c.timeline = std::atoi(v) != 0;
     else return false;
   }
   const auto positive = [](int x) { return x > 0; };

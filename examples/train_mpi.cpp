@@ -6,6 +6,8 @@
 //
 //   mpiexec -n 2 train_mpi [--towers N] [--steps S] [--compression none|bf16|fp16|int8|all]
 //       [--output replicated|sharded] [--quiet]
+//   GRADAVG_TIMELINE=trace.%r.json GRADAVG_LOG=info mpiexec -n 2 train_mpi ...
+//       (a timeline per rank, what the plan chose: docs/timeline.md)
 //
 // --compression: the exchange's wire format (gradavg::compression; default none; int8 with error
 // feedback, a residual per rank kept across steps); all: the same
@@ -32,6 +34,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -184,6 +187,13 @@ outcome train(const config& cfg, int rank, int ranks) {
   opts.compute.statistics = !sharded;  // statistics need every mean: the norm is summed below
   opts.exchange.compression = cfg.format;
   opts.exchange.output = cfg.output;
+  // GRADAVG_TIMELINE=trace.%r.json: each rank's calls recorded (docs/timeline.md), written when
+  // the training ends.
+  const std::unique_ptr<gradavg::timeline> line = gradavg::timeline::from_environment();
+  opts.run.timeline = line.get();
+  // GRADAVG_LOG=info: what the plan chose, on stderr; debug: a line per step.
+  const std::unique_ptr<gradavg::logger> log = gradavg::logger::from_environment();
+  opts.run.log = log.get();
   // int8 with error feedback: this rank's residual, one float per parameter, kept across steps.
   std::vector<float> residual;
   if (cfg.format == gradavg::compression::int8) {
@@ -286,6 +296,13 @@ outcome train(const config& cfg, int rank, int ranks) {
                 final_train.loss, 100 * final_train.accuracy, final_test.loss, 100 * final_test.accuracy, cfg.steps,
                 seconds);
     std::printf("models on the %d ranks: %s\n", ranks, same ? "bitwise identical" : "DIFFER (FAILED)");
+    if (line != nullptr) {
+      const gradavg::call_profile& last = line->last_call();
+      std::printf("last step on rank 0: %zu buckets, %.0f KiB sent, %.3f ms (local %.3f, waiting %.3f), overlap %.0f%%; "
+                  "timeline: %s\n",
+                  last.buckets, static_cast<double>(last.sent_bytes) / 1024, last.seconds * 1e3,
+                  last.local_seconds * 1e3, last.wait_seconds * 1e3, 100 * last.overlap(), line->file().c_str());
+    }
     if (!learned)
       std::printf("FAILED: final training loss %.4f is not under half the initial %.4f\n", final_train.loss,
                   initial.loss);
