@@ -16,6 +16,7 @@
 //   torchrun --nproc_per_node=2 --no_python train_torch_c10d --data digits.csv [...]
 //   for r in 0 1; do RANK=$r WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500
 //       train_torch_c10d --data digits.csv & done; wait     (one shell line)
+//   GRADAVG_TIMELINE=trace.%r.json GRADAVG_LOG=info ...      (docs/timeline.md)
 //
 // --compression: the exchange's wire format (gradavg::compression, an option of the helpers'
 // options; default none; int8 without error feedback); all: the training once per format from
@@ -28,6 +29,9 @@
 // (eval mode) of at least 90%, and with all, every format's within 0.5 points of the fp32
 // exchange's (or better). Exit 77 when the data file is missing (ctest reports it skipped).
 #include <torch/torch.h>
+
+#include <gradavg/log.hpp>
+#include <gradavg/timeline.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -83,6 +87,12 @@ std::optional<double> train_with(const dataset& train_set, const dataset& test, 
   std::optional<processes::data_parallel> overlapped;
   processes::options opts;
   opts.exchange.compression = format.format;
+  // GRADAVG_TIMELINE=trace.%r.json: each rank's events (the buckets' readiness, averages, copies
+  // and exchanges); GRADAVG_LOG=info: what each plan chose (docs/timeline.md).
+  const std::unique_ptr<gradavg::timeline> line = gradavg::timeline::from_environment();
+  const std::unique_ptr<gradavg::logger> log = gradavg::logger::from_environment();
+  opts.run.timeline = line.get();
+  opts.run.log = log.get();
   if (!one_shot) overlapped.emplace(processes::world(), replicas, opts, gradavg::libtorch::module_options{},
                                     gradavg::libtorch::bucket_options{.bytes = 2048});
   std::vector<std::unique_ptr<torch::optim::SGD>> optimizers;

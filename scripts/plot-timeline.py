@@ -3,7 +3,7 @@
 checks and draws them.
 
   scripts/plot-timeline.py trace.0.json trace.1.json [--merge merged.json] [--png step.png]
-      [--check] [--ranks N] [--call K] [--title TEXT]
+      [--check] [--ranks N] [--call K] [--window A,B] [--title TEXT]
 
 --merge  one trace of every rank (Chrome's trace viewer, https://ui.perfetto.dev). Ranks on rank
          0's machine (the files' otherData.host) share its clock and keep their times; a rank on
@@ -17,7 +17,8 @@ checks and draws them.
 --png    the step drawn with matplotlib (Debian's python3-matplotlib): a row per rank and lane,
          a bar per event, the buckets on the wire under each rank's local pass; --call K draws
          the K-th call across processes (from 0; negative: from the end; default -1, the last),
-         from its start on the first rank to its end on the last.
+         from its start on the first rank to its end on the last; --window A,B its milliseconds
+         A to B only.
 """
 import argparse
 import json
@@ -117,7 +118,7 @@ def merge(files):
     return merged
 
 
-def plot(events, png, which, title):
+def plot(events, png, which, title, window=None):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,23 +136,29 @@ def plot(events, png, which, title):
     # The call on every rank, from the first rank's start to the last one's end.
     lo = min(spans[which][0] for spans in per_rank)
     hi = max(spans[which][1] for spans in per_rank)
+    if window is not None:  # milliseconds from the call's start
+        lo, hi = lo + window[0] * 1e3, lo + window[1] * 1e3
     colors = {"checks": "#999999", "agreement": "#666666", "fill": "#1f77b4", "sum": "#ff7f0e",
-              "unpack": "#2ca02c", "wait": "#d62728", "bucket": "#9467bd", "outcome": "#444444", "pass": "#1f77b4"}
+              "unpack": "#2ca02c", "wait": "#d62728", "bucket": "#9467bd", "outcome": "#444444", "pass": "#1f77b4",
+              "average bucket": "#bcbd22", "copies": "#17becf", "bucket ready": "#e377c2"}
     rows = sorted({(e["pid"], e["tid"]) for e in xs})
-    row_names = {0: "call", 1: "wire 0", 2: "wire 1", 3: "wire 2", 4: "other"}
+    row_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
     fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.5))
+    start = lo if window is None else lo - window[0] * 1e3
     for y, (pid, tid) in enumerate(rows):
-        for e in xs:
+        # Longest first: an event inside another (a wait in its sum) drawn over it.
+        for e in sorted(xs, key=lambda e: -e["dur"]):
             if (e["pid"], e["tid"]) != (pid, tid) or e["ts"] + e["dur"] < lo or e["ts"] > hi:
                 continue
-            nested = e["name"] == "wait"
-            ax.broken_barh([((e["ts"] - lo) / 1e3, max(e["dur"], 1.0) / 1e3)],
+            nested = e["name"] in ("wait", "copies")
+            ax.broken_barh([((e["ts"] - start) / 1e3, max(e["dur"], 1.0) / 1e3)],
                            (y - (0.2 if nested else 0.4), 0.4 if nested else 0.8),
                            facecolors=colors.get(e["name"], "#bcbd22"), edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {pid} {row_names.get(tid, tid)}" for pid, tid in rows])
+    ax.set_yticklabels([f"rank {pid} {row_names.get((pid, tid), tid)}" for pid, tid in rows])
     ax.invert_yaxis()
-    ax.set_xlim(0, (hi - lo) / 1e3)
+    ax.set_xlim((lo - start) / 1e3, (hi - start) / 1e3)
     ax.set_xlabel("ms from the call's start on the first rank")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for n, c in colors.items() if n != "pass"]
     ax.legend(handles, [n for n in colors if n != "pass"], ncol=8, loc="upper center", bbox_to_anchor=(0.5, -0.18),
@@ -170,6 +177,7 @@ def main():
     parser.add_argument("--ranks", type=int)
     parser.add_argument("--call", type=int, default=-1)
     parser.add_argument("--title")
+    parser.add_argument("--window", help="A,B: only milliseconds A to B of the call")
     args = parser.parse_args()
     files = {path: load(path) for path in args.files}
     status = 0
@@ -186,7 +194,8 @@ def main():
         with open(args.merge, "w") as f:
             json.dump({"displayTimeUnit": "ms", "traceEvents": merged}, f)
     if args.png:
-        plot(merged, args.png, args.call, args.title)
+        window = tuple(float(x) for x in args.window.split(",")) if args.window else None
+        plot(merged, args.png, args.call, args.title, window)
     return status
 
 

@@ -24,7 +24,9 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #if __has_include(<unistd.h>)
 #include <unistd.h>
@@ -41,12 +43,13 @@ class timeline_error : public error {
 
 /// Which row of a process's timeline an event sits on (the trace's "tid").
 enum class lane : unsigned char {
-  /// The calling thread: checks, agreement, the local pass, a bucket's fill, sum and unpack.
+  /// A call's own work: checks, agreement, the local pass, a bucket's fill, sum and unpack; a row
+  /// per thread that calls ("call", then "call, thread 1", ...).
   call,
   /// A bucket on the wire, from its contributions' departure to the arrival of its last sum;
   /// one row per bucket in flight (the event's index: its set, 0 to 2).
   wire,
-  /// Other threads' work (user code's own events).
+  /// Anything else (user code's own events); a row per thread, as for call.
   other,
 };
 
@@ -74,7 +77,8 @@ struct call_profile {
 /// not run beside a call that records. Not copyable or movable: calls hold its address.
 class timeline {
  public:
-  /// Events kept by default: 65,536 (40 bytes each), about 200 steps of a ResNet-50 exchange.
+  /// Events kept by default: 65,536 (48 bytes each), about 100 calls over ResNet-50's layout
+  /// across processes.
   static constexpr std::size_t default_capacity = std::size_t{1} << 16;
 
   /// Events go to `path` when written, each "%r" in it replaced by the process (the rank of the
@@ -118,7 +122,8 @@ class timeline {
               unsigned index = 0) noexcept {
     const std::size_t i = next_.fetch_add(1, std::memory_order_relaxed);
     if (i >= capacity_) return;
-    events_[i] = {name, begin, end < begin ? begin : end, arg, static_cast<std::uint32_t>(where), index};
+    events_[i] = {name,  begin, end < begin ? begin : end, arg, std::hash<std::thread::id>{}(std::this_thread::get_id()),
+                  static_cast<std::uint32_t>(where), index};
   }
 
   /// The process the events belong to (the trace's "pid"): set by every call across processes
@@ -173,15 +178,36 @@ class timeline {
               put_escaped(f.get(), host().c_str()) && std::fputs("\"},\n\"traceEvents\":[\n", f.get()) >= 0;
     ok = ok && std::fprintf(f.get(), "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"gradavg rank %d\"}}",
                             pid, pid) > 0;
-    for (unsigned t = 0; t < rows; ++t)
+    // The rows: call and other a row per thread, in the order the threads first recorded.
+    std::vector<std::pair<std::uint64_t, unsigned>> threads[2];  // (thread, its rank) per lane
+    std::vector<unsigned> row(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const event& e = events_[i];
+      if (e.where == static_cast<std::uint32_t>(lane::wire)) {
+        row[i] = 1 + e.index % 3;
+        continue;
+      }
+      auto& seen = threads[e.where == static_cast<std::uint32_t>(lane::call) ? 0 : 1];
+      unsigned k = 0;
+      while (k < seen.size() && seen[k].first != e.thread) ++k;
+      if (k == seen.size()) seen.emplace_back(e.thread, k);
+      row[i] = thread_row(e.where == static_cast<std::uint32_t>(lane::call), k);
+    }
+    for (unsigned t = 1; t <= 3; ++t)
       ok = ok && std::fprintf(f.get(),
-                              ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%u,\"args\":{\"name\":\"%s\"}}",
-                              pid, t, row_name(t)) > 0;
+                              ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%u,\"args\":{\"name\":\"wire %u\"}}",
+                              pid, t, t - 1) > 0;
+    for (int l = 0; l < 2; ++l)
+      for (std::size_t k = 0; k < threads[l].size(); ++k)
+        ok = ok && std::fprintf(f.get(),
+                                ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%u,\"args\":{\"name\":\"%s%s%.0zu\"}}",
+                                pid, thread_row(l == 0, static_cast<unsigned>(k)), l == 0 ? "call" : "other",
+                                k == 0 ? "" : ", thread ", k) > 0;
     for (std::size_t i = 0; i < n && ok; ++i) {
       const event& e = events_[i];
       ok = std::fputs(",\n{\"name\":\"", f.get()) >= 0 && put_escaped(f.get(), e.name) &&
            std::fprintf(f.get(), "\",\"cat\":\"gradavg\",\"ph\":\"X\",\"pid\":%d,\"tid\":%u,\"ts\":%.3f,\"dur\":%.3f", pid,
-                        row_of(e), static_cast<double>(e.begin) / 1e3, static_cast<double>(e.end - e.begin) / 1e3) > 0;
+                        row[i], static_cast<double>(e.begin) / 1e3, static_cast<double>(e.end - e.begin) / 1e3) > 0;
       if (ok && e.arg >= 0) ok = std::fprintf(f.get(), ",\"args\":{\"bucket\":%lld}", static_cast<long long>(e.arg)) > 0;
       ok = ok && std::fputs("}", f.get()) >= 0;
     }
@@ -201,19 +227,12 @@ class timeline {
     const char* name;
     std::uint64_t begin, end;
     std::int64_t arg;
+    std::uint64_t thread;  // the recording thread's id, hashed
     std::uint32_t where, index;
   };
-  // Rows: 0 the calling thread, 1 to 3 the wire (a bucket set each), 4 other threads.
-  static constexpr unsigned rows = 5;
-  static const char* row_name(unsigned t) noexcept {
-    static constexpr const char* names[rows] = {"call", "wire 0", "wire 1", "wire 2", "other"};
-    return names[t];
-  }
-  static unsigned row_of(const event& e) noexcept {
-    if (e.where == static_cast<std::uint32_t>(lane::call)) return 0;
-    if (e.where == static_cast<std::uint32_t>(lane::wire)) return 1 + (e.index % 3);
-    return 4;
-  }
+  // Rows (tid): call's first thread 0 (its k-th thread after it 100 + k), the wire 1 to 3 (a
+  // bucket set each), other's k-th thread 200 + k.
+  static unsigned thread_row(bool call, unsigned k) noexcept { return call ? (k == 0 ? 0 : 100 + k) : 200 + k; }
   /// The machine's name (the clock is one per machine), or "" where it is unknown.
   static std::string host() {
 #if __has_include(<unistd.h>)

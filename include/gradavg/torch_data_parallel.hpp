@@ -32,6 +32,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include "detail/torch_buckets.hpp"
+#include "detail/trace.hpp"
 #include "torch.hpp"
 
 namespace gradavg::libtorch {
@@ -322,6 +323,11 @@ class data_parallel {
       return;
     }
     if (pending_[b].fetch_sub(1) != 1) return;
+    if (timeline* const line = opts_.run.timeline) {
+      // The moment backward completed the bucket (an event of no duration, on the hook's thread).
+      const std::uint64_t now = timeline::now();
+      line->record(lane::other, "bucket ready", now, now, static_cast<std::int64_t>(b));
+    }
     {
       const std::lock_guard<std::mutex> lock(mutex_);
       buckets_[b].queued = true;

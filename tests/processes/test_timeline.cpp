@@ -13,9 +13,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <latch>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "catch.hpp"
@@ -195,12 +197,43 @@ TEST_CASE("timeline: events past the capacity are dropped and counted, and the f
   line.write();
   const read_back back = read_file(line.file());
   CHECK(back.complete == 4);
-  CHECK(back.rows.at(4) == 4);
+  CHECK(back.rows.at(200) == 4);  // lane::other's first thread
   CHECK(back.text.find("\"dropped\":6") != std::string::npos);
   CHECK(back.text.find("mine \\\"quoted\\\"") != std::string::npos);
   line.clear();
   CHECK(line.size() == 0);
   CHECK(line.dropped() == 0);
+}
+
+TEST_CASE("timeline: each thread that records has a row of its own") {
+  const scratch_dir dir("threads");
+  gradavg::timeline line((dir.path / "threads.json").string());
+  line.record(gradavg::lane::call, "here", 10, 20);
+  // Both alive at once (a thread's id may be reused once it has ended), the second recording
+  // after the first.
+  std::latch first_recorded(1), both_recorded(2);
+  std::thread there([&] {
+    line.record(gradavg::lane::call, "there", 12, 30);
+    line.record(gradavg::lane::other, "there", 12, 30);
+    first_recorded.count_down();
+    both_recorded.arrive_and_wait();
+  });
+  std::thread elsewhere([&] {
+    first_recorded.wait();
+    line.record(gradavg::lane::call, "elsewhere", 14, 40);
+    both_recorded.arrive_and_wait();
+  });
+  there.join();
+  elsewhere.join();
+  line.record(gradavg::lane::call, "here", 30, 40);
+  line.write();
+  const read_back back = read_file(line.file());
+  CHECK(back.rows.at(0) == 2);    // the first thread's call row
+  CHECK(back.rows.at(101) == 1);  // the second's
+  CHECK(back.rows.at(102) == 1);  // the third's
+  CHECK(back.rows.at(200) == 1);  // the second thread's first other event
+  CHECK(back.text.find("\"tid\":101,\"args\":{\"name\":\"call, thread 1\"}") != std::string::npos);
+  CHECK(back.text.find("\"tid\":0,\"args\":{\"name\":\"call\"}") != std::string::npos);
 }
 
 TEST_CASE("timeline: an unwritable file is a timeline_error naming it") {

@@ -13,7 +13,10 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -486,4 +489,38 @@ TEST_CASE("data_parallel: options that span every parameter, null replicas and u
                                  gradavg::libtorch::data_parallel dp{std::span<torch::nn::Module* const>(unlike)};
                                }),
                                "replica 1"));
+}
+
+TEST_CASE("data_parallel: a timeline holds each bucket's ready moment, its average and its copies") {
+  at::set_num_threads(1);
+  const std::string path = (std::filesystem::temp_directory_path() / "gradavg_data_parallel_timeline.json").string();
+  twin_replicas t(2, 11);
+  gradavg::timeline line(path);
+  const gradavg::options opts{.run = {.timeline = &line}};
+  gradavg::libtorch::data_parallel dp(t.overlapped, opts, {}, {.bytes = 700});
+  const std::size_t buckets = dp.buckets().size();
+  REQUIRE(buckets > 1);
+  const std::size_t steps = 2;
+  for (std::size_t step = 0; step < steps; ++step) {
+    t.zero_grad(true);
+    REQUIRE(!t.backward(t.overlapped, step));
+    (void)dp.finish();
+    REQUIRE(!t.backward(t.one_shot, step));
+    (void)gradavg::libtorch::average_module_gradients(t.one_shot, gradavg::options{});
+    t.check_same_gradients();  // the same bits as without a timeline
+  }
+  line.write();
+  std::ifstream in(path);
+  const std::string text{std::istreambuf_iterator<char>(in), {}};
+  auto count = [&](const std::string& name) {
+    std::size_t n = 0;
+    for (std::size_t at = 0; (at = text.find("\"name\":\"" + name + "\",\"cat\"", at)) != std::string::npos; ++at) ++n;
+    return n;
+  };
+  CHECK(count("bucket ready") == steps * buckets);  // a hook completed each bucket
+  CHECK(count("average bucket") == steps * buckets);
+  CHECK(count("copies") == steps * buckets);  // the means into replica 1
+  CHECK(count("pass") >= steps * buckets);    // each bucket's call, and any parameter no bucket holds
+  CHECK(line.dropped() == 0);
+  std::filesystem::remove(path);
 }

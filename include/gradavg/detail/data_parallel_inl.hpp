@@ -45,6 +45,7 @@ inline void data_parallel::work_in_order() {
     bucket& bk = buckets_[in_order_next_];
     lock.unlock();
     try {
+      const shared_detail::traced_span span(opts_.run.timeline, "average bucket", &bk - buckets_.data());
       bk.report = over_(bk.masked, params_);
     } catch (...) {
       bk.failure = std::current_exception();
@@ -114,6 +115,7 @@ inline void data_parallel::assign_masks() {
 }
 
 inline void data_parallel::average_bucket(bucket& bk, scratch& s) noexcept {
+  const shared_detail::traced_span span(opts_.run.timeline, "average bucket", &bk - buckets_.data());
   try {
     s.towers.resize(replicas_.size());
     for (std::size_t k = 0; k < replicas_.size(); ++k) {
@@ -125,6 +127,7 @@ inline void data_parallel::average_bucket(bucket& bk, scratch& s) noexcept {
     s.means.clear();
     for (const auto& e : s.towers[0]) s.means.push_back(e.first);
     bk.report.report = detail::average_into_own_dtypes(s.towers, s.means, nullptr, opts_);
+    const shared_detail::traced_span copies(opts_.run.timeline, "copies", &bk - buckets_.data());
     detail::copy_to_replicas(s.towers, s.means, 1, detail::receiving_replicas(mopts_, replicas_.size()), opts_);
   } catch (...) {
     bk.failure = std::current_exception();

@@ -14,17 +14,19 @@ namespace gradavg::shared_detail {
 /// nothing without a timeline.
 class traced_span {
  public:
-  traced_span(timeline* line, const char* name) noexcept
-      : line_(line), name_(name), begin_(line != nullptr ? timeline::now() : 0) {}
+  /// arg: the bucket, or -1.
+  traced_span(timeline* line, const char* name, std::int64_t arg = -1) noexcept
+      : line_(line), name_(name), arg_(arg), begin_(line != nullptr ? timeline::now() : 0) {}
   traced_span(const traced_span&) = delete;
   traced_span& operator=(const traced_span&) = delete;
   ~traced_span() {
-    if (line_ != nullptr) line_->record(lane::call, name_, begin_, timeline::now());
+    if (line_ != nullptr) line_->record(lane::call, name_, begin_, timeline::now(), arg_);
   }
 
  private:
   timeline* line_;
   const char* name_;
+  std::int64_t arg_;
   std::uint64_t begin_;
 };
 

@@ -479,12 +479,18 @@ struct data_path {
     }
   }
 
-  /// The data path: the pipeline over every bucket, then the last collective (the lowest rank
-  /// whose kernel failed, if any), and the call's summary.
   /// Writes what this call chose to options.run.log at log_at, where it takes that level:
-  /// choices.hpp's words for this rank's part, then the buckets and the exchange.
-  void log_choices(const summary& counted) const {
+  /// choices.hpp's words for this rank's part, then the buckets and the exchange. Runs between
+  /// the collectives, where a rank must not throw alone: a line that cannot be built (no memory)
+  /// or that the sink throws on is dropped.
+  void log_choices(const summary& counted) const noexcept {
     if (opts.run.log == nullptr || !opts.run.log->enabled(log_at)) return;
+    try {
+      write_choices(counted);
+    } catch (...) {
+    }
+  }
+  void write_choices(const summary& counted) const {
     static constexpr const char* formats[] = {"none", "bfloat16", "float16", "int8"};
     const auto format = static_cast<std::size_t>(opts.exchange.compression);
     const std::size_t n = range_end > range_begin ? range_end - range_begin : 0;
@@ -492,13 +498,16 @@ struct data_path {
                        std::to_string(ranks) + ": " + log_what + ": " +
                        gradavg::detail::choices_line<S, O>(local, variables, counted.averaged, counted.skipped, n, towers,
                                                            with_squares, static_cast<std::size_t>(local_bytes()));
-    line += ", " + std::to_string(counted.towers) + " towers in all; " + std::to_string(buckets) + " buckets of " +
-            std::to_string(bucket_elements * element_bytes()) + " bytes, exchange method " +
+    line += ", " + std::to_string(counted.towers) + " towers in all; " + std::to_string(buckets) +
+            (buckets == 1 ? " bucket" : " buckets") + " of at most " + std::to_string(bucket_elements * element_bytes()) +
+            " bytes, exchange method " +
             std::to_string(wire.method_code()) + ", wire format " + (format < 4 ? formats[format] : "?") +
             ", output " + (sharded() ? "sharded" : "replicated");
     opts.run.log->write(log_at, line);
   }
 
+  /// The data path: the pipeline over every bucket, then the last collective (the lowest rank
+  /// whose kernel failed, if any), and the call's summary.
   template <class Acc>
   summary run() {
     summary result = counts();
